@@ -1,0 +1,42 @@
+# Two commands do all set-up on a fresh machine: `make report` and `make test`.
+# The install step pins torch to the 2.13.0 CPU build (it lies on this machine's disk);
+# pyproject itself asks only for torch>=2.5, so other users keep their own build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: test report verify bench lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[dev,triton]"
+	touch $@
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
+	$(PY) -m pytest -q
+
+verify: $(VENV)/.installed
+	$(PY) -m octlm verify --quick
+
+bench: $(VENV)/.installed
+	$(PY) -m octlm bench
+
+report: $(VENV)/.installed
+	$(PY) -m octlm verify --quick
+	$(PY) -m octlm bench --resume
+	$(PY) -m octlm report
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests examples
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff format src tests examples
+	$(VENV)/bin/ruff check --fix src tests examples
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

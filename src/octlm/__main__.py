@@ -1,0 +1,5 @@
+import sys
+
+from octlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""Exact attention, three ways behind one signature (DESIGN §2-3).
+
+- :func:`naive_attention`: the reference; the whole score matrix.
+- :func:`sdpa_attention`: PyTorch's fused ``scaled_dot_product_attention``.
+- :func:`tiled_attention`: FlashAttention's blocking in plain PyTorch, with its own backward.
+
+Notation: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``Q``/``K`` query and key
+lengths, ``D`` head size. Grouped-query attention shares each key/value head among
+``G = H // Hkv`` consecutive query heads::
+
+    MHA (G = 1)        GQA (G = 2)        MQA (G = H)
+    q q q q            q q q q            q q q q
+    | | | |            \\/  \\/            \\ \\/ /
+    k k k k            k    k               k
+"""
+
+from octlm.attention.masks import attention_mask
+from octlm.attention.naive import naive_attention
+from octlm.attention.sdpa import sdpa_attention
+from octlm.attention.tiled import tiled_attention
+
+__all__ = ["attention_mask", "naive_attention", "sdpa_attention", "tiled_attention"]

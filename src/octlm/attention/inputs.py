@@ -1,0 +1,123 @@
+"""One validation for every implementation: shapes, dtypes, devices, masks, options.
+
+Every public attention function calls :func:`check_inputs` first, so a bad call fails with a
+``ValueError``/``TypeError`` that names the argument, what it got and what was expected, before
+any kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the checked inputs describe. ``past = k_len - q_len`` (bottom-right causal)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_size: int
+    scale: float
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 for MHA, ``heads`` for MQA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def past(self) -> int:
+        return self.k_len - self.q_len
+
+
+def check_inputs(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_supported: bool = True,
+) -> Shape:
+    """Validate an attention call against DESIGN §2 and return its :class:`Shape`."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, length, head_size), got shape "
+                f"{tuple(tensor.shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}")
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}")
+    batch, heads, q_len, head_size = query.shape
+    kv_batch, kv_heads, k_len, key_size = key.shape
+    if kv_batch != batch:
+        raise ValueError(f"key has batch {kv_batch} but query has batch {batch}")
+    if key_size != head_size:
+        raise ValueError(f"key has head_size {key_size} but query has head_size {head_size}")
+    if value.shape != key.shape:
+        raise ValueError(
+            f"value must have the shape of key {tuple(key.shape)}, got {tuple(value.shape)}"
+        )
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})"
+        )
+    if head_size < 1:
+        raise ValueError("head_size must be at least 1")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0 = no window), got {window!r}")
+    if mask is not None:
+        _check_mask(mask, query, (batch, heads, q_len, k_len))
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_size)
+    elif not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0 and not dropout_supported:
+        raise ValueError(
+            f"dropout_p={dropout_p} asked of an implementation without dropout; "
+            "use naive or sdpa for attention dropout"
+        )
+    return Shape(batch, heads, kv_heads, q_len, k_len, head_size, float(scale))
+
+
+def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) -> None:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = may attend) or floating point (added to the "
+            f"scores), got {mask.dtype}"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
+    if mask.dim() > 4:
+        raise ValueError(f"mask must have at most 4 dims, got shape {tuple(mask.shape)}")
+    try:
+        broadcast = torch.broadcast_shapes(mask.shape, full)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != torch.Size(full):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, q_len, "
+            f"k_len) = {full}"
+        )

@@ -1,0 +1,48 @@
+"""PyTorch's fused ``scaled_dot_product_attention`` behind octlm's signature.
+
+SDPA's ``is_causal`` is top-left aligned, so it is passed only for plain causal attention with
+``q_len == k_len``; every other shape (bottom-right causal for a KV cache, a window, a user mask)
+goes in as one explicit mask. Never both.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from octlm.attention.inputs import check_inputs
+from octlm.attention.masks import dense_mask
+
+
+def sdpa_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``."""
+    shape = check_inputs(
+        query, key, value, causal=causal, window=window, mask=mask, scale=scale,
+        dropout_p=dropout_p,
+    )  # fmt: skip
+    plain = mask is None and window == 0 and (not causal or shape.past == 0)
+    attn_mask = None
+    if not plain:
+        attn_mask = dense_mask(shape.q_len, shape.k_len, causal, window, mask, query.device)
+        if attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(query.dtype)  # SDPA wants the query's dtype
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=plain and causal,
+        scale=shape.scale,
+        enable_gqa=shape.kv_heads != shape.heads,
+    )
