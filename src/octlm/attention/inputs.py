@@ -47,6 +47,7 @@ def check_inputs(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_supported: bool = True,
+    key_lengths: Tensor | None = None,
 ) -> Shape:
     """Validate an attention call against DESIGN §2 and return its :class:`Shape`."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -86,6 +87,8 @@ def check_inputs(
         raise ValueError(f"window must be an int >= 0 (0 = no window), got {window!r}")
     if mask is not None:
         _check_mask(mask, query, (batch, heads, q_len, k_len))
+    if key_lengths is not None:
+        _check_key_lengths(key_lengths, query, batch, k_len)
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     elif not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
@@ -121,3 +124,20 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
             f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, q_len, "
             f"k_len) = {full}"
         )
+
+
+def _check_key_lengths(key_lengths: Tensor, query: Tensor, batch: int, k_len: int) -> None:
+    if not isinstance(key_lengths, Tensor):
+        raise TypeError(
+            f"key_lengths must be a torch.Tensor or None, got {type(key_lengths).__name__}"
+        )
+    if key_lengths.dtype.is_floating_point or key_lengths.dtype in (torch.bool, torch.complex64):
+        raise TypeError(f"key_lengths must be an integer tensor, got {key_lengths.dtype}")
+    if key_lengths.shape != (batch,):
+        raise ValueError(
+            f"key_lengths must have shape (batch,) = ({batch},), got {tuple(key_lengths.shape)}"
+        )
+    if key_lengths.device != query.device:
+        raise ValueError(f"key_lengths is on {key_lengths.device} but query is on {query.device}")
+    if batch and (key_lengths.min() < 0 or key_lengths.max() > k_len):
+        raise ValueError(f"key_lengths must lie in [0, k_len={k_len}], got {key_lengths.tolist()}")

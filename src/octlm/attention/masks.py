@@ -62,19 +62,30 @@ def dense_mask(
     window: int,
     mask: Tensor | None,
     device=None,
+    key_lengths: Tensor | None = None,
 ) -> Tensor | None:
     """The structural rules and a user ``mask`` as one dense mask, for kernels that need one.
 
     ``None`` when nothing is hidden; bool (True = may attend) when ``mask`` is bool or absent;
-    a float mask with ``-inf`` at hidden places when ``mask`` is float.
+    a float mask with ``-inf`` at hidden places when ``mask`` is float. ``key_lengths``
+    (batch,) hides keys at and after each batch element's length.
     """
     structural = None
     if causal or window:
         structural = allowed(range(q_len), range(k_len), k_len - q_len, causal, window, device)
+    if key_lengths is not None:
+        present = padding_mask(key_lengths, range(k_len))  # (B, 1, 1, K)
+        structural = present if structural is None else structural & present
     if mask is None:
         return structural
     if structural is None:
         return mask
     if mask.dtype == torch.bool:
         return mask & structural
-    return mask.masked_fill(~structural, float("-inf"))
+    return torch.where(structural, mask, float("-inf"))
+
+
+def padding_mask(key_lengths: Tensor, columns: range) -> Tensor:
+    """Bool ``(B, 1, 1, len(columns))``: True where the key is inside its batch's length."""
+    column = torch.arange(columns.start, columns.stop, device=key_lengths.device)
+    return (column < key_lengths[:, None])[:, None, None, :]

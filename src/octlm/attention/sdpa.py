@@ -24,16 +24,19 @@ def sdpa_attention(
     mask: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
 ) -> Tensor:
     """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``."""
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, key_lengths=key_lengths,
     )  # fmt: skip
-    plain = mask is None and window == 0 and (not causal or shape.past == 0)
+    plain = mask is None and key_lengths is None and window == 0 and (not causal or shape.past == 0)
     attn_mask = None
     if not plain:
-        attn_mask = dense_mask(shape.q_len, shape.k_len, causal, window, mask, query.device)
+        attn_mask = dense_mask(
+            shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths
+        )
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(query.dtype)  # SDPA wants the query's dtype
     return F.scaled_dot_product_attention(
