@@ -16,7 +16,14 @@ lengths, ``D`` head size. Grouped-query attention shares each key/value head amo
 
 from octlm.attention.masks import attention_mask
 from octlm.attention.naive import naive_attention
+from octlm.attention.ring import ring_attention
 from octlm.attention.sdpa import sdpa_attention
 from octlm.attention.tiled import tiled_attention
 
-__all__ = ["attention_mask", "naive_attention", "sdpa_attention", "tiled_attention"]
+__all__ = [
+    "attention_mask",
+    "naive_attention",
+    "ring_attention",
+    "sdpa_attention",
+    "tiled_attention",
+]

@@ -1,0 +1,365 @@
+"""Context-parallel ("ring") attention over a torch.distributed process group.
+
+Each of the ``W`` ranks holds the query, key and value of its own positions of one long
+sequence. Key/value shards travel once around the ring, rank ``r`` sending to ``r + 1`` and
+receiving from ``r - 1``; while the next shard is in flight, each rank attends its queries to
+the shard it holds with the tiled block functions, and folds the partial ``(out, lse)`` into
+its running result with :func:`~octlm.attention.tiled.merge`, which is exact. After ``W``
+steps every query has seen every key, and no rank ever held more than two key/value shards.
+
+Layouts (how the sequence is cut among ranks), pictured for ``W = 2``::
+
+    plain   | rank 0 | rank 1 |            rank r holds chunk r of W
+    zigzag  | 0 | 1 | 1 | 0 |             rank r holds chunks r and 2W - 1 - r of 2W
+
+Under causal attention, ``plain`` leaves rank 0 idle for most steps (its queries see only its
+own keys) while the last rank sees everything; ``zigzag`` pairs an early chunk with a late one,
+so every rank does the same work at every step. Chunk pairs that causality (or the window)
+hides entirely are skipped; the ring pass happens regardless, so no rank waits on a peer.
+
+Backward (FlashAttention-2 style, as :mod:`octlm.attention.tiled`): each rank keeps its own
+``dq``; the key/value shards go round again, each carrying a ``dk``/``dv`` accumulator in the
+accumulation dtype that every rank adds its contribution to, and one last pass hands the
+finished gradients to their owner. Each block uses the global ``lse`` and
+``delta = rowsum(dO * O)``, both local to the query's owner.
+
+Communication is point-to-point (``dist.batch_isend_irecv``), device-agnostic: ``gloo`` with CPU
+tensors, ``nccl`` with CUDA tensors. ``gloo`` carries bfloat16 and float16 as they are (checked
+with torch 2.13), so no reinterpretation is needed; gradients travel in float32 for those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from octlm.attention.inputs import check_inputs
+from octlm.attention.masks import key_range
+from octlm.attention.tiled import (
+    DEFAULT_BLOCK,
+    accumulation_dtype,
+    attend_backward,
+    attend_forward,
+    merge,
+    parse_block,
+)
+
+LAYOUTS = ("zigzag", "plain")
+DEFAULT_LAYOUT = "zigzag"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of consecutive positions inside one rank's shard."""
+
+    local: int  # where it starts in the shard
+    start: int  # the global position of its first token
+    length: int
+
+    @property
+    def span(self) -> slice:
+        """Its place in the shard, for indexing the sequence dimension."""
+        return slice(self.local, self.local + self.length)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _chunks(world: int, layout: str) -> int:
+    """How many equal chunks the layout cuts the sequence into."""
+    return 2 * world if layout == "zigzag" else world
+
+
+def _check_split(length: int, world: int, layout: str) -> None:
+    chunks = _chunks(world, layout)
+    if length % chunks:
+        raise ValueError(
+            f"sequence length {length} cannot be split by layout {layout!r} over {world} ranks: "
+            f"it must be a multiple of {chunks}"
+        )
+
+
+def _check_shard(local_len: int, layout: str) -> None:
+    if layout == "zigzag" and local_len % 2:
+        raise ValueError(
+            f"a zigzag shard holds two equal chunks, so its length must be even, got {local_len}"
+        )
+
+
+def _pieces(rank: int, world: int, layout: str, local_len: int) -> list[Piece]:
+    """The pieces of rank ``rank``'s shard of ``local_len`` positions, in shard order."""
+    if layout == "plain":
+        return [Piece(0, rank * local_len, local_len)]
+    chunk = local_len // 2
+    return [Piece(0, rank * chunk, chunk), Piece(chunk, (2 * world - 1 - rank) * chunk, chunk)]
+
+
+def shard_positions(length: int, rank: int, world: int, layout: str = DEFAULT_LAYOUT) -> Tensor:
+    """The global positions rank ``rank`` holds of a ``length``-token sequence, int64 (length/W,).
+
+    Pass them to the model as ``positions`` so rotary embeddings see where each token really is.
+    """
+    _check_layout(layout)
+    _check_split(length, world, layout)
+    pieces = _pieces(rank, world, layout, length // world)
+    return torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces])
+
+
+def shard_sequence(
+    x: Tensor, rank: int, world: int, layout: str = DEFAULT_LAYOUT, dim: int = 2
+) -> Tensor:
+    """Rank ``rank``'s shard of the full sequence ``x`` along ``dim`` (2 for (B, H, T, D))."""
+    _check_layout(layout)
+    length = x.shape[dim]
+    _check_split(length, world, layout)
+    pieces = _pieces(rank, world, layout, length // world)
+    return torch.cat([x.narrow(dim, p.start, p.length) for p in pieces], dim=dim)
+
+
+def gather_sequence(
+    local: Tensor,
+    group: dist.ProcessGroup | None = None,
+    layout: str = DEFAULT_LAYOUT,
+    dim: int = 2,
+) -> Tensor:
+    """The full sequence from every rank's shard along ``dim``; the inverse of shard_sequence.
+
+    A collective: every rank of ``group`` calls it and gets the whole tensor. Not
+    differentiable (``dist.all_gather`` is not).
+    """
+    _check_layout(layout)
+    group, _rank, world = _process_group(group)
+    _check_same_shapes(group, world, local=local)
+    _check_shard(local.shape[dim], layout)
+    local = local.contiguous()
+    shards = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(shards, local, group=group)
+    local_len = local.shape[dim]
+    full = local.new_empty(*local.shape[:dim], world * local_len, *local.shape[dim + 1 :])
+    for owner, shard in enumerate(shards):
+        for piece in _pieces(owner, world, layout, local_len):
+            full.narrow(dim, piece.start, piece.length).copy_(
+                shard.narrow(dim, piece.local, piece.length)
+            )
+    return full
+
+
+def _process_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, rank, world size)``; the default group when ``group`` is None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "ring attention needs an initialised torch.distributed process group: call "
+            "torch.distributed.init_process_group (torchrun sets up its environment) first"
+        )
+    group = dist.group.WORLD if group is None else group
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_same_shapes(group: dist.ProcessGroup, world: int, **tensors: Tensor) -> None:
+    """Raise on every rank when the ranks' shards differ in shape (one small all_gather)."""
+    first = next(iter(tensors.values()))
+    shapes = torch.tensor([s for t in tensors.values() for s in t.shape], device=first.device)
+    every = [torch.empty_like(shapes) for _ in range(world)]
+    dist.all_gather(every, shapes, group=group)
+    if any(not torch.equal(other, every[0]) for other in every):
+        described = []
+        for rank, flat in enumerate(every):
+            sizes, parts = flat.tolist(), []
+            for name, tensor in tensors.items():
+                parts.append(f"{name} {tuple(sizes[: tensor.dim()])}")
+                sizes = sizes[tensor.dim() :]
+            described.append(f"rank {rank}: " + ", ".join(parts))
+        raise ValueError(
+            "every rank must hold a shard of the same shape, got " + "; ".join(described)
+        )
+
+
+class _Ring:
+    """This rank's place on the ring: sends go to the next rank, receives come from the last."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, layout: str):
+        self.group, self.rank, self.world, self.layout = group, rank, world, layout
+        self.next = dist.get_global_rank(group, (rank + 1) % world)
+        self.previous = dist.get_global_rank(group, (rank - 1) % world)
+
+    def pieces(self, owner: int, local_len: int) -> list[Piece]:
+        return _pieces(owner, self.world, self.layout, local_len)
+
+    def send_on(self, *tensors: Tensor) -> Callable[[], tuple[Tensor, ...]]:
+        """Start passing ``tensors`` one step round; call the result to wait for what arrives.
+
+        A ring of one passes to itself, so it hands back the same tensors.
+        """
+        if self.world == 1:
+            return lambda: tensors
+        tensors = tuple(t.contiguous() for t in tensors)
+        received = tuple(torch.empty_like(t) for t in tensors)
+        operations = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors] + [
+            dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received
+        ]
+        works = dist.batch_isend_irecv(operations)
+
+        def wait() -> tuple[Tensor, ...]:
+            for work in works:
+                work.wait()
+            return received
+
+        return wait
+
+
+def _visible_pairs(
+    queries: list[Piece], keys: list[Piece], causal: bool, window: int
+) -> Iterator[tuple[Piece, Piece, int]]:
+    """``(query piece, key piece, past)`` for every pair that the rules do not hide entirely."""
+    for q in queries:
+        for k in keys:
+            past = q.start - k.start  # query row i sits at key position past + i of this piece
+            if len(key_range(range(q.length), k.length, past, causal, window)):
+                yield q, k, past
+
+
+def _ring_forward(
+    query: Tensor, key: Tensor, value: Tensor, ring: _Ring, options: dict
+) -> tuple[Tensor, Tensor]:
+    """Normalised ``out (B, H, L, D)`` and ``lse (B, H, L)`` over all keys, accumulation dtype."""
+    local_len = query.shape[2]
+    queries = ring.pieces(ring.rank, local_len)
+    dtype = accumulation_dtype(query.dtype)
+    out = query.new_zeros(query.shape, dtype=dtype)  # (B, H, L, D)
+    lse = query.new_full(query.shape[:-1], float("-inf"), dtype=dtype)  # (B, H, L)
+    for step in range(ring.world):
+        owner = (ring.rank - step) % ring.world  # whose keys this rank holds now
+        arriving = ring.send_on(key, value) if step + 1 < ring.world else None
+        keys = ring.pieces(owner, local_len)
+        for q, k, past in _visible_pairs(queries, keys, options["causal"], options["window"]):
+            part_out, part_lse = attend_forward(
+                query[:, :, q.span], key[:, :, k.span], value[:, :, k.span], past=past, **options
+            )  # (B, H, q.length, D), (B, H, q.length)
+            out[:, :, q.span], lse[:, :, q.span] = merge(
+                out[:, :, q.span], lse[:, :, q.span], part_out, part_lse
+            )
+        if arriving is not None:
+            key, value = arriving()
+    return out, lse
+
+
+def _ring_backward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    ring: _Ring,
+    options: dict,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq`` for this rank's queries and ``dk``/``dv`` for its own keys, accumulation dtype.
+
+    Each step's key/value gradients are handed on with the shard they belong to; the pass of
+    one step's gradients overlaps the next step's compute.
+    """
+    local_len = query.shape[2]
+    queries = ring.pieces(ring.rank, local_len)
+    dtype = lse.dtype
+    delta = (grad_out.to(dtype) * out.to(dtype)).sum(dim=-1)  # (B, H, L)
+    grad_query = torch.zeros_like(query, dtype=dtype)  # (B, H, L, D)
+    grads_arriving = None
+    for step in range(ring.world):
+        owner = (ring.rank - step) % ring.world
+        arriving = ring.send_on(key, value) if step + 1 < ring.world else None
+        grad_key = torch.zeros_like(key, dtype=dtype)  # (B, Hkv, L, D), for the owner's keys
+        grad_value = torch.zeros_like(value, dtype=dtype)  # (B, Hkv, L, D)
+        keys = ring.pieces(owner, local_len)
+        for q, k, past in _visible_pairs(queries, keys, options["causal"], options["window"]):
+            dq, dk, dv = attend_backward(
+                query[:, :, q.span], key[:, :, k.span], value[:, :, k.span],
+                grad_out[:, :, q.span], lse[:, :, q.span], delta[:, :, q.span],
+                past=past, **options,
+            )  # fmt: skip
+            grad_query[:, :, q.span] += dq
+            grad_key[:, :, k.span] += dk
+            grad_value[:, :, k.span] += dv
+        if grads_arriving is not None:
+            # What the ranks before this one added for the same owner's keys.
+            earlier_key, earlier_value = grads_arriving()
+            grad_key += earlier_key
+            grad_value += earlier_value
+        grads_arriving = ring.send_on(grad_key, grad_value)
+        if arriving is not None:
+            key, value = arriving()
+    grad_key, grad_value = grads_arriving()  # the last pass brings this rank's own, complete
+    return grad_query, grad_key, grad_value
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autograd through the ring; saves query, key, value, output and lse only."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, ring, options):
+        out, lse = _ring_forward(query, key, value, ring, options)
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.ring, ctx.options = ring, options
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        grad_query, grad_key, grad_value = _ring_backward(
+            query, key, value, out, lse, grad_out, ctx.ring, ctx.options
+        )
+        grads = grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+        return *grads, None, None
+
+
+def ring_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    window: int = 0,
+    scale: float | None = None,
+    layout: str = DEFAULT_LAYOUT,
+    block: int | tuple[int, int] = DEFAULT_BLOCK,
+) -> Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    A collective: every rank calls it with its own shard, in the same order.
+
+    Args:
+        query: ``(batch, heads, L, head_size)``, this rank's ``L`` positions of the sequence
+            in ``layout`` (see :func:`shard_sequence`); the whole sequence is ``W * L`` long.
+        key, value: ``(batch, kv_heads, L, head_size)`` for the same positions; GQA as in
+            :func:`~octlm.attention.tiled_attention`.
+        group: the process group; the default group when None.
+        causal: a token sees the tokens at and before its global position.
+        window: if > 0, a token also sees only the ``window`` most recent tokens (itself
+            included), counted in global positions.
+        scale: score scale, ``1 / sqrt(head_size)`` by default.
+        layout: ``"zigzag"`` (rank r holds chunks r and 2W - 1 - r of 2W; balanced under
+            causal) or ``"plain"`` (rank r holds chunk r of W).
+        block: tile sizes for the local block computation, as in ``tiled_attention``.
+
+    Returns:
+        ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
+    """
+    _check_layout(layout)
+    shape = check_inputs(query, key, value, causal=causal, window=window, scale=scale)
+    group, rank, world = _process_group(group)
+    _check_same_shapes(group, world, query=query, key=key)
+    if shape.q_len != shape.k_len:
+        raise ValueError(
+            "each rank must hold query, key and value for the same positions, got q_len "
+            f"{shape.q_len} and k_len {shape.k_len}"
+        )
+    _check_shard(shape.q_len, layout)
+    options = dict(causal=causal, window=window, scale=shape.scale, block=parse_block(block))
+    return _RingAttention.apply(query, key, value, _Ring(group, rank, world, layout), options)

@@ -1,0 +1,113 @@
+"""Bad input fails early with an error that names the argument, in every implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octlm.attention import attention_mask, naive_attention, sdpa_attention, tiled_attention
+from tests.conftest import make_qkv
+
+ALL = [naive_attention, sdpa_attention, tiled_attention]
+
+
+def qkv(**kw):
+    return make_qkv(batch=2, heads=4, kv_heads=2, q_len=8, head_size=16, **kw)
+
+
+CASES = [
+    ("3-D query", lambda q, k, v: (q[0], k, v), {}, ValueError, "query must be 4-D"),
+    ("batch", lambda q, k, v: (q, k[:1], v[:1]), {}, ValueError, "key has batch 1"),
+    ("head_size", lambda q, k, v: (q, k[..., :8], v[..., :8]), {}, ValueError, "head_size"),
+    ("value shape", lambda q, k, v: (q, k, v[:, :, :4]), {}, ValueError, "value must have"),
+    ("heads", lambda q, k, v: (q[:, :3], k, v), {}, ValueError, r"multiple of key/value heads"),
+    ("dtype", lambda q, k, v: (q, k.double(), v), {}, TypeError, "key has dtype"),
+    ("int", lambda q, k, v: (q.long(), k, v), {}, TypeError, "floating-point"),
+    ("not a tensor", lambda q, k, v: (q.tolist(), k, v), {}, TypeError, "query must be"),
+    ("window", lambda *t: t, {"window": -1}, ValueError, "window must be"),
+    ("window type", lambda *t: t, {"window": 2.5}, ValueError, "window must be"),
+    ("scale", lambda *t: t, {"scale": 0.0}, ValueError, "scale must be"),
+    ("causal", lambda *t: t, {"causal": "yes"}, TypeError, "causal must be a bool"),
+    (
+        "mask shape",
+        lambda *t: t,
+        {"mask": torch.ones(3, 8, 8, dtype=torch.bool)},
+        ValueError,
+        "does not broadcast",
+    ),
+    (
+        "mask rank",
+        lambda *t: t,
+        {"mask": torch.ones(1, 1, 1, 8, 8, dtype=torch.bool)},
+        ValueError,
+        "at most 4 dims",
+    ),
+    (
+        "mask dtype",
+        lambda *t: t,
+        {"mask": torch.ones(8, 8, dtype=torch.long)},
+        TypeError,
+        "mask must be bool",
+    ),
+    (
+        "key_lengths shape",
+        lambda *t: t,
+        {"key_lengths": torch.tensor([8])},
+        ValueError,
+        "key_lengths must have shape",
+    ),
+    (
+        "key_lengths range",
+        lambda *t: t,
+        {"key_lengths": torch.tensor([8, 9])},
+        ValueError,
+        r"key_lengths must lie in \[0, k_len=8\]",
+    ),
+    (
+        "key_lengths dtype",
+        lambda *t: t,
+        {"key_lengths": torch.tensor([8.0, 2.0])},
+        TypeError,
+        "integer tensor",
+    ),
+    ("dropout", lambda *t: t, {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize("attention", ALL, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("name, change, options, error, match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_a_clear_error(attention, name, change, options, error, match):
+    with pytest.raises(error, match=match):
+        attention(*change(*qkv()), **options)
+
+
+@pytest.mark.parametrize("block", [0, -3, (16,), (16, 0), 2.5, True, "64"])
+def test_bad_block_is_rejected(block):
+    with pytest.raises(ValueError, match="block must be"):
+        tiled_attention(*qkv(), block)
+
+
+def test_tiled_refuses_dropout_rather_than_ignoring_it():
+    with pytest.raises(ValueError, match="implementation without dropout"):
+        tiled_attention(*qkv(), dropout_p=0.1)
+
+
+@pytest.mark.parametrize("attention", [naive_attention, sdpa_attention])
+def test_dropout_is_applied_only_when_asked(attention):
+    query, key, value = qkv()
+    plain = attention(query, key, value)
+    torch.testing.assert_close(attention(query, key, value, dropout_p=0.0), plain)
+    assert not torch.allclose(attention(query, key, value, dropout_p=0.5), plain)
+
+
+def test_attention_mask_is_bottom_right_causal_with_window():
+    mask = attention_mask(3, past=2, window=2)
+    expected = torch.tensor(
+        [[False, True, True, False, False],
+         [False, False, True, True, False],
+         [False, False, False, True, True]]
+    )  # fmt: skip
+    assert mask.dtype == torch.bool and torch.equal(mask, expected)
+    assert torch.equal(attention_mask(4), torch.ones(4, 4, dtype=torch.bool).tril())
+    with pytest.raises(ValueError, match="past must be"):
+        attention_mask(3, past=-1)
