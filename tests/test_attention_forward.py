@@ -132,9 +132,17 @@ def test_scale_is_honoured():
         check(name, query, key, value, scale=0.3)
 
 
-def test_extreme_scores_do_not_overflow_the_running_sum():
-    """Scores spanning hundreds of units: the running shift must follow the maximum."""
+@pytest.mark.parametrize("block", [(8, 16), (256, 64)], ids=["shift-outside", "shift-in-matmul"])
+def test_extreme_scores_do_not_overflow_the_running_sum(block):
+    """Scores spanning hundreds of units: the running shift must follow the maximum, and a
+    float mask of -1e4 must not underflow rows whose every key carries it."""
     query, key, value = make_qkv(q_len=300, head_size=16)
-    query = query * 40
-    check("tiled", query, key, value)
-    check("tiled", query.double(), key.double(), value.double())
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = (x.to(dtype) for x in (query * 40, key, value))
+        golden, base = reference(q, k, v), naive_attention(q, k, v)
+        assert_judged(tiled_attention(q, k, v, block), base, golden)
+    bias = torch.zeros(300, 300)
+    bias[:, :150] = -1e4  # rows before 150 see only heavily penalised keys
+    golden = reference(query, key, value, mask=bias)
+    tested = tiled_attention(query, key, value, block, mask=bias)
+    assert_judged(tested, naive_attention(query, key, value, mask=bias), golden)

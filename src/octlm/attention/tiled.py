@@ -32,6 +32,8 @@ SLACK = 8.0
 # Rows and keys per tile. Tuned on a 2-core CPU at 8,192 tokens, 8 heads of 32: smaller tiles
 # pay Python overhead per block, larger ones fall out of cache.
 DEFAULT_BLOCK = (256, 512)
+# Query rows per block (heads of a group included) from which the shift rides in the matmul.
+FUSED_SHIFT_ROWS = 64
 
 
 def parse_block(block: int | tuple[int, int]) -> tuple[int, int]:
@@ -193,49 +195,60 @@ def attend_forward(
     accumulation dtype; rows that see no key get ``out = 0`` and ``lse = -inf``. Two such
     partial results over disjoint key chunks combine exactly with :func:`merge`.
 
-    Scores are kept in base 2 (``exp2`` is several times cheaper than ``exp`` on CPU). Each
-    row's shift, which softmax is invariant to, lives in the query's extra column; it moves up
-    to the running maximum only when that maximum has grown past it by more than ``2**SLACK``,
-    so most blocks need neither a subtraction pass nor a rescale of the running sums.
+    Scores are kept in base 2 (``exp2`` is several times cheaper than ``exp`` on CPU). Softmax
+    is invariant to a per-row shift, so the shift need not be the exact running maximum: it is
+    set from each row's first visible block and moves up only when a later block's maximum
+    exceeds it by more than ``SLACK`` (weights stay below ``2**SLACK``, far from overflow).
+    Most blocks therefore skip the rescale, and for long query blocks the shift rides in an
+    extra query column (keys get a column of ones), so the matmul itself subtracts it.
     """
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
-    folded = _fold(query, kv_heads, scale * LOG2E, dtype, extra=0.0)  # (B, Hkv, Q, G, D + 1)
-    ones = _fold(key, kv_heads, 1.0, dtype, extra=1.0).squeeze(3)  # (B, Hkv, K, D + 1)
+    rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
+    # The fused shift costs a copy of the keys with a column of ones: worth it when each key
+    # block meets many query rows, not when decoding one token against a long cache.
+    fused = rows_per_block >= FUSED_SHIFT_ROWS
+    extra = 0.0 if fused else None
+    folded = _fold(query, kv_heads, scale * LOG2E, dtype, extra)  # (B, Hkv, Q, G, D [+ 1])
+    key = _fold(key, kv_heads, 1.0, dtype, 1.0 if fused else None).squeeze(3)  # (B, Hkv, K, ·)
     value = value.to(dtype)  # (B, Hkv, K, D)
     walk = _Blocks(
-        folded, ones, past, causal, window, _fold_mask(mask, heads, kv_heads), block, key_lengths
+        folded, key, past, causal, window, _fold_mask(mask, heads, kv_heads), block, key_lengths
     )
-    out = folded.new_zeros(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
-    lse = folded.new_full(folded.shape[:-1], NEG_INF)  # (B, Hkv, Q, G), natural log
+    out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
+    lse = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), natural log
 
     for rows in walk.query_blocks():
-        q_block = walk.rows(folded, rows)  # (B, Hkv, R, D + 1); q_block[..., -1] = -shift
-        shift = q_block.new_zeros(*q_block.shape[:-1], 1)  # (B, Hkv, R, 1)
-        running_max = torch.full_like(shift, NEG_INF)  # true maximum so far, base 2
-        running_sum = torch.zeros_like(shift)  # sum of exp2(score - shift)
-        acc = torch.zeros_like(shift).expand(*shift.shape[:-1], head_size).contiguous()
+        q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1]); fused: last column = -shift
+        shift = q_block.new_zeros(walk.batch * kv_heads, q_block.shape[2], 1)  # (B*Hkv, R, 1)
+        running_sum = torch.zeros_like(shift)  # sum over keys of exp2(score - shift)
+        acc = shift.new_zeros(*shift.shape[:-1], head_size)  # (B*Hkv, R, D), unnormalised
+        unset = True  # some rows have not seen a key yet, so their shift is a placeholder
         for columns in walk.key_blocks(rows):
-            scores, _ = walk.scores(q_block, rows, columns)  # (B*Hkv, R, C), minus shift
-            block_max = scores.amax(dim=-1, keepdim=True).view_as(shift)
-            running_max = torch.maximum(running_max, block_max + shift)
-            drift = running_max - shift  # >= 0 once a row has seen a key; -inf before
-            if bool((drift.abs() > SLACK).logical_and_(drift > NEG_INF).any()):
-                # Move the shift to the running maximum; exp2(-step) rescales what was summed.
-                new_shift = running_max.masked_fill(running_max == NEG_INF, 0.0)
-                step = new_shift - shift  # (B, Hkv, R, 1)
-                scores.sub_(_as_3d(step))
-                correction = step.neg_().exp2_()
+            scores, _ = walk.scores(q_block, rows, columns)  # (B*Hkv, R, C)
+            if not fused:
+                scores.sub_(shift)
+            block_max = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1), relative to shift
+            if unset or block_max.max() > SLACK:
+                # Rows seeing their first keys take that block's maximum as their shift; rows
+                # whose maximum outgrew the shift move up to it. exp2(-step) rescales the sums.
+                step = block_max.clamp(min=0.0)
+                if unset:
+                    first = block_max.masked_fill(block_max == NEG_INF, 0.0)
+                    step = torch.where(running_sum == 0, first, step)
+                scores.sub_(step)
+                correction = step.neg().exp2_()
                 running_sum.mul_(correction)
                 acc.mul_(correction)
-                shift = new_shift
-                q_block[..., head_size:] = -shift
+                shift += step
+                if fused:
+                    q_block[..., head_size:] = -shift.view(*q_block.shape[:-1], 1)
             weights = scores.exp2_()  # (B*Hkv, R, C), in place of the scores
-            running_sum += weights.sum(dim=-1, keepdim=True).view_as(shift)
-            v_block = value[:, :, columns.start : columns.stop]  # (B, Hkv, C, D)
-            _as_3d(acc).baddbmm_(weights, _as_3d(v_block))
-        seen = running_sum > 0
-        acc.div_(torch.where(seen, running_sum, 1.0))
+            running_sum += weights.sum(dim=-1, keepdim=True)
+            acc.baddbmm_(weights, _as_3d(value[:, :, columns.start : columns.stop]))
+            if unset:
+                unset = bool((running_sum == 0).any())
+        acc.div_(torch.where(running_sum > 0, running_sum, 1.0))
         shape = (walk.batch, kv_heads, len(rows), walk.group)
         out[:, :, rows.start : rows.stop] = acc.view(*shape, head_size)
         lse[:, :, rows.start : rows.stop] = ((shift + running_sum.log2()) * LN2).view(shape)
