@@ -125,3 +125,14 @@ def test_forward_saves_only_inputs_output_and_lse():
     largest = max(t.numel() for t in saved)
     assert largest <= query.numel()
     assert all(t.numel() < 300 * 300 for t in saved)
+
+
+def test_non_contiguous_inputs_as_a_model_passes_them():
+    """A model's projections reach attention as transposed views, (B, T, H, D) -> (B, H, T, D)."""
+    query, key, value = (
+        x.transpose(1, 2).contiguous().transpose(1, 2)
+        for x in make_qkv(heads=8, kv_heads=2, q_len=64, dtype=torch.float64)
+    )
+    assert not key.is_contiguous()
+    check_gradients(query, key, value, block=16)
+    check_gradients(query, key, value, block=(16, 8), causal=False)

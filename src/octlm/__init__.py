@@ -1,6 +1,15 @@
 """octlm: exact attention three ways, checked against each other in a small language model."""
 
 from octlm.attention import attention_mask, naive_attention, sdpa_attention, tiled_attention
+from octlm.model import KVCache, ModelConfig, OctLM
 
-__all__ = ["attention_mask", "naive_attention", "sdpa_attention", "tiled_attention"]
+__all__ = [
+    "KVCache",
+    "ModelConfig",
+    "OctLM",
+    "attention_mask",
+    "naive_attention",
+    "sdpa_attention",
+    "tiled_attention",
+]
 __version__ = "0.1.0"

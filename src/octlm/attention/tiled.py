@@ -170,8 +170,12 @@ def _fold_mask(mask: Tensor | None, heads: int, kv_heads: int) -> Tensor | None:
 
 
 def _as_3d(x: Tensor) -> Tensor:
-    """(B, Hkv, R, C) -> (B*Hkv, R, C) view, for the batched matmuls."""
-    return x.reshape(-1, *x.shape[-2:]) if x.dim() == 4 else x
+    """(B, Hkv, R, C) -> (B*Hkv, R, C) view, for the batched matmuls.
+
+    A view, never a copy: the in-place matmuls write through it. The callers keep their
+    tensors contiguous, so slicing rows or keys keeps the first two dims mergeable.
+    """
+    return x.view(-1, *x.shape[-2:]) if x.dim() == 4 else x
 
 
 def attend_forward(
@@ -211,7 +215,7 @@ def attend_forward(
     extra = 0.0 if fused else None
     folded = _fold(query, kv_heads, scale * LOG2E, dtype, extra)  # (B, Hkv, Q, G, D [+ 1])
     key = _fold(key, kv_heads, 1.0, dtype, 1.0 if fused else None).squeeze(3)  # (B, Hkv, K, ·)
-    value = value.to(dtype)  # (B, Hkv, K, D)
+    value = value.to(dtype).contiguous()  # (B, Hkv, K, D)
     walk = _Blocks(
         folded, key, past, causal, window, _fold_mask(mask, heads, kv_heads), block, key_lengths
     )
@@ -233,11 +237,14 @@ def attend_forward(
                 # Rows seeing their first keys take that block's maximum as their shift; rows
                 # whose maximum outgrew the shift move up to it. exp2(-step) rescales the sums.
                 step = block_max.clamp(min=0.0)
-                if unset:
-                    first = block_max.masked_fill(block_max == NEG_INF, 0.0)
-                    step = torch.where(running_sum == 0, first, step)
-                scores.sub_(step)
                 correction = step.neg().exp2_()
+                if unset:  # a shift moving down could overflow exp2(-step); nothing to rescale
+                    empty = running_sum == 0
+                    step = torch.where(
+                        empty, block_max.masked_fill(block_max == NEG_INF, 0.0), step
+                    )
+                    correction.masked_fill_(empty, 1.0)
+                scores.sub_(step)
                 running_sum.mul_(correction)
                 acc.mul_(correction)
                 shift += step
@@ -290,7 +297,7 @@ def attend_backward(
     ones = _fold(key, kv_heads, 1.0, dtype, extra=1.0).squeeze(3)  # (B, Hkv, K, D + 1)
     grad_folded = _fold(grad_out, kv_heads, 1.0, dtype, None)  # (B, Hkv, Q, G, D)
     delta = _fold(delta.unsqueeze(-1), kv_heads, 1.0, dtype, None)  # (B, Hkv, Q, G, 1)
-    value = value.to(dtype)  # (B, Hkv, K, D)
+    value = value.to(dtype).contiguous()  # (B, Hkv, K, D)
     walk = _Blocks(
         folded, ones, past, causal, window, _fold_mask(mask, heads, kv_heads), block, key_lengths
     )

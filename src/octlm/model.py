@@ -1,0 +1,380 @@
+"""A small decoder-only language model whose attention runs naive, sdpa, tiled or ring.
+
+tokens -> embedding -> n_layers x [RMSNorm -> attention -> +, RMSNorm -> SwiGLU -> +]
+       -> RMSNorm -> logits through the embedding matrix (tied head)
+
+Notation on shape comments: ``B`` batch, ``T`` tokens in this call, ``K`` keys attended (cached
+positions plus ``T``), ``C`` width, ``H`` query heads, ``Hkv`` key/value heads, ``D`` head size,
+``V`` vocabulary. Grouped-query attention lets ``H // Hkv`` consecutive query heads share one
+key/value head (``Hkv = H`` is MHA, ``Hkv = 1`` is MQA); the attention functions read the shared
+heads in place, so the model never repeats them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from octlm.attention import naive_attention, sdpa_attention, tiled_attention
+from octlm.attention.tiled import DEFAULT_BLOCK, parse_block
+
+ATTENTIONS = ("naive", "sdpa", "tiled", "ring")
+WITH_DROPOUT = ("naive", "sdpa")
+
+
+def is_int_at_least(value, minimum: int) -> bool:
+    """True for a plain int (not a bool) >= ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and the attention implementation; checked on construction.
+
+    ``n_kv_heads`` defaults to ``n_heads`` (MHA). ``block`` is used by ``tiled`` only.
+    ``window > 0`` lets each position see itself and the ``window - 1`` before it. ``dropout``
+    applies to attention weights and residual branches while training; only naive and sdpa
+    have attention dropout.
+    """
+
+    vocab_size: int = 256
+    width: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    max_length: int = 2048
+    attention: str = "sdpa"
+    block: int | tuple[int, int] = DEFAULT_BLOCK
+    window: int = 0
+    dropout: float = 0.0
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for name in ("vocab_size", "width", "n_layers", "n_heads", "n_kv_heads", "max_length"):
+            value = getattr(self, name)
+            if not is_int_at_least(value, 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.width % self.n_heads:
+            raise ValueError(f"width ({self.width}) must be a multiple of n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_size % 2:
+            raise ValueError(
+                f"head size width // n_heads = {self.head_size} must be even for rotary "
+                f"embeddings; change width ({self.width}) or n_heads ({self.n_heads})"
+            )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        parse_block(self.block)
+        if not is_int_at_least(self.window, 0):
+            raise ValueError(f"window must be an int >= 0 (0 = no window), got {self.window!r}")
+        if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.dropout > 0 and self.attention not in WITH_DROPOUT:
+            raise ValueError(
+                f"dropout={self.dropout} needs attention in {WITH_DROPOUT}; "
+                f"{self.attention!r} has no attention dropout"
+            )
+        if not isinstance(self.rope_base, int | float) or not self.rope_base > 0:
+            raise ValueError(f"rope_base must be a positive number, got {self.rope_base!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.width // self.n_heads
+
+    @property
+    def mlp_width(self) -> int:
+        """SwiGLU hidden width: 8/3 of ``width`` (same parameters as a 4x MLP), rounded up to 8."""
+        return 8 * -(-self.width // 3)
+
+
+class KVCache:
+    """Per-layer keys and values (after RoPE) of the positions seen so far.
+
+    ``length`` counts every position seen, which is where the next token's RoPE position
+    starts. With ``window > 0`` only the last ``window - 1`` positions are kept between calls:
+    the first new query sees itself and the ``window - 1`` positions before it, and every later
+    query sees less of the past. During a call the layer attends to those plus the new chunk;
+    what is kept is a view of that ``window - 1 + chunk`` tensor, freed by the next call.
+    """
+
+    def __init__(self, config: ModelConfig):
+        self.window = config.window
+        self.keys: list[Tensor | None] = [None] * config.n_layers
+        self.values: list[Tensor | None] = [None] * config.n_layers
+        self.length = 0
+
+    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Append one chunk's ``(B, Hkv, T, D)`` keys/values; return all the chunk attends to."""
+        if self.keys[layer] is not None:
+            key = torch.cat([self.keys[layer], key], dim=2)  # (B, Hkv, K, D)
+            value = torch.cat([self.values[layer], value], dim=2)  # (B, Hkv, K, D)
+        kept = key.shape[2] if self.window == 0 else min(key.shape[2], self.window - 1)
+        self.keys[layer] = key[:, :, key.shape[2] - kept :]
+        self.values[layer] = value[:, :, value.shape[2] - kept :]
+        return key, value
+
+    @property
+    def batch(self) -> int | None:
+        """Batch size of the cached tensors, None before the first call."""
+        return None if self.keys[0] is None else self.keys[0].shape[0]
+
+
+def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """cos and sin ``(max_length, D)`` of each position's rotation angles (half-split layout)."""
+    half = torch.arange(0, config.head_size, 2, dtype=torch.float64) / config.head_size
+    frequencies = config.rope_base**-half  # (D/2,)
+    positions = torch.arange(config.max_length, dtype=torch.float64)
+    angles = torch.outer(positions, frequencies).repeat(1, 2)  # (max_length, D)
+    dtype = torch.get_default_dtype()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair ``(x[i], x[i + D/2])`` of ``x (B, heads, T, D)`` by its angle."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)  # (B, heads, T, D)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Projections, RoPE and one call into ``octlm.attention``; no attention maths here."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.config, self.layer = config, layer
+        self.qkv = nn.Linear(
+            config.width, (config.n_heads + 2 * config.n_kv_heads) * config.head_size, bias=False
+        )
+        self.output = nn.Linear(config.width, config.width, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None = None
+    ) -> Tensor:
+        batch, length, width = x.shape
+        query, key, value = self._project(x, rope)  # (B, H, T, D), (B, Hkv, T, D) x 2
+        if cache is not None:
+            key, value = cache.update(self.layer, key, value)  # (B, Hkv, K, D) x 2
+        structure = self._mask_for()
+        dropout_p = self.dropout.p if self.training else 0.0
+        name = self.config.attention
+        if name == "naive":
+            attended = naive_attention(query, key, value, **structure, dropout_p=dropout_p)
+        elif name == "sdpa":
+            attended = sdpa_attention(query, key, value, **structure, dropout_p=dropout_p)
+        elif name == "tiled":
+            attended = tiled_attention(query, key, value, self.config.block, **structure)
+        else:
+            from octlm.attention.ring import ring_attention
+
+            attended = ring_attention(query, key, value, **structure)
+        # attended: (B, H, T, D)
+        attended = attended.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
+        return self.dropout(self.output(attended))
+
+    def _project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Query, key and value in heads-first layout, RoPE applied to query and key."""
+        batch, length, _ = x.shape
+        heads, kv_heads, head_size = (
+            self.config.n_heads,
+            self.config.n_kv_heads,
+            self.config.head_size,
+        )
+        sizes = (heads * head_size, kv_heads * head_size, kv_heads * head_size)
+        query, key, value = self.qkv(x).split(sizes, dim=-1)  # (B, T, H*D), (B, T, Hkv*D) x 2
+        query = query.view(batch, length, heads, head_size).transpose(1, 2)  # (B, H, T, D)
+        key = key.view(batch, length, kv_heads, head_size).transpose(1, 2)  # (B, Hkv, T, D)
+        value = value.view(batch, length, kv_heads, head_size).transpose(1, 2)  # (B, Hkv, T, D)
+        return apply_rope(query, *rope), apply_rope(key, *rope), value
+
+    def _mask_for(self) -> dict:
+        """Which keys a query sees, as the attention functions' structural arguments.
+
+        Causal is bottom-right aligned, so the same arguments serve a full sequence and a chunk
+        after cached keys; the rules are described, never materialised as a ``T x K`` mask.
+        """
+        return {"causal": True, "window": self.config.window}
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.width, config.mlp_width, bias=False)
+        self.up = nn.Linear(config.width, config.mlp_width, bias=False)
+        self.down = nn.Linear(config.mlp_width, config.width, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each added to the residual stream."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.attention = Attention(config, layer)
+        self.mlp_norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None = None
+    ) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache)  # (B, T, C)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+
+
+class OctLM(nn.Module):
+    """The language model. ``model(tokens)`` returns next-token logits at every position.
+
+    The LM head is the token embedding matrix (tied, as in GPT-2): fewer parameters, and at
+    this size tying trains no worse. Logits are ``x @ embedding.T``, so the state dict holds
+    the matrix once.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.width)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.width, eps=1e-6)
+        cos, sin = rope_tables(config)
+        self.register_buffer("cos", cos, persistent=False)  # (max_length, D)
+        self.register_buffer("sin", sin, persistent=False)  # (max_length, D)
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by depth.
+        for name, parameter in self.named_parameters():
+            if name.endswith(("attention.output.weight", "mlp.down.weight")):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(
+        self, tokens: Tensor, cache: KVCache | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        """Logits ``(B, T, V)`` for int64 ``tokens (B, T)``.
+
+        With ``cache``, the tokens continue the cached sequence: their keys and values are
+        appended and they attend to everything before them. ``positions`` (int64 ``(T,)``)
+        gives the tokens' absolute positions for RoPE; by default they follow the cache,
+        ``past + arange(T)``.
+        """
+        self._check_tokens(tokens)
+        past = 0 if cache is None else cache.length
+        if cache is not None and cache.batch not in (None, tokens.shape[0]):
+            raise ValueError(
+                f"cache holds batch {cache.batch} but tokens have batch {tokens.shape[0]}"
+            )
+        positions = self._positions(tokens, past, positions)  # (T,)
+        rope = (self.cos[positions], self.sin[positions])  # (T, D) x 2
+        x = self.embedding(tokens)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, rope, cache)  # (B, T, C)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        return F.linear(self.norm(x), self.embedding.weight)  # (B, T, V)
+
+    def _check_tokens(self, tokens: Tensor) -> None:
+        if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64:
+            got = tokens.dtype if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise TypeError(f"tokens must be an int64 tensor, got {got}")
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(
+                f"tokens must have shape (batch, length) with length >= 1, "
+                f"got {tuple(tokens.shape)}"
+            )
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"tokens must lie in [0, vocab_size={self.config.vocab_size}), "
+                f"got values in [{low}, {high}]"
+            )
+
+    def _positions(self, tokens: Tensor, past: int, positions: Tensor | None) -> Tensor:
+        """The tokens' absolute positions ``(T,)``, checked against ``max_length``."""
+        length, max_length = tokens.shape[1], self.config.max_length
+        if positions is None:
+            if past + length > max_length:
+                raise ValueError(
+                    f"sequence of {past + length} positions ({past} cached + {length} new) "
+                    f"exceeds max_length={max_length}"
+                )
+            return torch.arange(past, past + length, device=tokens.device)
+        if not isinstance(positions, Tensor) or positions.dtype != torch.int64:
+            raise TypeError("positions must be an int64 tensor of shape (length,)")
+        if positions.shape != (length,):
+            raise ValueError(
+                f"positions must have shape (length,) = ({length},), got {tuple(positions.shape)}"
+            )
+        if int(positions.min()) < 0 or int(positions.max()) >= max_length:
+            raise ValueError(
+                f"positions must lie in [0, max_length={max_length}), got values in "
+                f"[{int(positions.min())}, {int(positions.max())}]"
+            )
+        return positions.to(tokens.device)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue ``prompt (B, T)`` by ``max_new_tokens``; returns ``(B, T + max_new_tokens)``.
+
+        The prompt is prefilled in one call, then one token per call through a KV cache.
+        ``temperature == 0`` is greedy; otherwise logits are divided by ``temperature``,
+        limited to the ``top_k`` largest if given, and sampled with ``generator``. Dropout
+        follows the module's mode: call ``model.eval()`` first for deterministic decoding.
+        """
+        if not is_int_at_least(max_new_tokens, 0):
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        if top_k is not None and not is_int_at_least(top_k, 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        self._check_tokens(prompt)
+        total = prompt.shape[1] + max_new_tokens
+        if total > self.config.max_length:
+            raise ValueError(
+                f"prompt of {prompt.shape[1]} plus max_new_tokens={max_new_tokens} makes "
+                f"{total} positions, more than max_length={self.config.max_length}"
+            )
+        cache = KVCache(self.config)
+        tokens = [prompt]
+        logits = self(prompt, cache=cache)[:, -1]  # (B, V)
+        for step in range(max_new_tokens):
+            tokens.append(sample(logits, temperature, top_k, generator))  # (B, 1)
+            if step + 1 < max_new_tokens:
+                logits = self(tokens[-1], cache=cache)[:, -1]  # (B, V)
+        return torch.cat(tokens, dim=1)
+
+
+def sample(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """One token ``(B, 1)`` per row of ``logits (B, V)``: argmax, or a tempered draw."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
