@@ -111,3 +111,20 @@ def test_attention_mask_is_bottom_right_causal_with_window():
     assert torch.equal(attention_mask(4), torch.ones(4, 4, dtype=torch.bool).tril())
     with pytest.raises(ValueError, match="past must be"):
         attention_mask(3, past=-1)
+
+
+def test_kernel_choice_is_validated_and_routed(monkeypatch):
+    import octlm.attention.tiled as tiled
+    import octlm.attention.triton_flash as triton_flash
+
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        tiled_attention(*qkv(), kernel="cuda")
+    query, key, value = qkv()
+    assert not tiled._triton_fits(query, None, None)  # CPU tensors stay on the PyTorch path
+    calls = []
+    monkeypatch.setattr(triton_flash, "triton_attention", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(tiled, "_triton_fits", lambda *a: True)
+    tiled_attention(query, key, value, window=3)
+    assert calls and calls[0]["window"] == 3
+    tiled_attention(query, key, value, kernel="pytorch")
+    assert len(calls) == 1

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from octlm.attention import naive_attention, sdpa_attention, tiled_attention
-from octlm.attention.tiled import DEFAULT_BLOCK, parse_block
+from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block
 
 ATTENTIONS = ("naive", "sdpa", "tiled", "ring")
 WITH_DROPOUT = ("naive", "sdpa")
@@ -35,7 +35,8 @@ def is_int_at_least(value, minimum: int) -> bool:
 class ModelConfig:
     """Sizes and the attention implementation; checked on construction.
 
-    ``n_kv_heads`` defaults to ``n_heads`` (MHA). ``block`` is used by ``tiled`` only.
+    ``n_kv_heads`` defaults to ``n_heads`` (MHA). ``block`` and ``kernel`` are used by
+    ``tiled`` only: ``kernel="pytorch"`` keeps CUDA tensors off the Triton kernel.
     ``window > 0`` lets each position see itself and the ``window - 1`` before it. ``dropout``
     applies to attention weights and residual branches while training; only naive and sdpa
     have attention dropout.
@@ -49,6 +50,7 @@ class ModelConfig:
     max_length: int = 2048
     attention: str = "sdpa"
     block: int | tuple[int, int] = DEFAULT_BLOCK
+    kernel: str = "auto"
     window: int = 0
     dropout: float = 0.0
     rope_base: float = 10000.0
@@ -74,6 +76,8 @@ class ModelConfig:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         parse_block(self.block)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not is_int_at_least(self.window, 0):
             raise ValueError(f"window must be an int >= 0 (0 = no window), got {self.window!r}")
         if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
@@ -172,7 +176,9 @@ class Attention(nn.Module):
         elif name == "sdpa":
             attended = sdpa_attention(query, key, value, **structure, dropout_p=dropout_p)
         elif name == "tiled":
-            attended = tiled_attention(query, key, value, self.config.block, **structure)
+            attended = tiled_attention(
+                query, key, value, self.config.block, **structure, kernel=self.config.kernel
+            )
         else:
             from octlm.attention.ring import ring_attention
 

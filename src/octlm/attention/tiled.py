@@ -396,6 +396,7 @@ def tiled_attention(
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
     return_lse: bool = False,
+    kernel: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention with O(T) memory, by FlashAttention's blocking, on any PyTorch device.
 
@@ -416,10 +417,22 @@ def tiled_attention(
             Blocks past the longest length are skipped whole.
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
+        kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`) for
+            CUDA tensors when Triton is installed and no ``mask``/``key_lengths`` is given,
+            and the plain-PyTorch blocks otherwise; ``"pytorch"`` or ``"triton"`` force one.
 
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "triton" or (kernel == "auto" and _triton_fits(query, mask, key_lengths)):
+        from octlm.attention.triton_flash import triton_attention
+
+        return triton_attention(
+            query, key, value, causal=causal, window=window, mask=mask, scale=scale,
+            dropout_p=dropout_p, key_lengths=key_lengths, return_lse=return_lse,
+        )  # fmt: skip
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, dropout_supported=False, key_lengths=key_lengths,
@@ -429,3 +442,19 @@ def tiled_attention(
     )
     out, lse = _TiledAttention.apply(query, key, value, mask, key_lengths, options)
     return (out, lse) if return_lse else out
+
+
+KERNELS = ("auto", "pytorch", "triton")
+
+
+def _triton_fits(query: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> bool:
+    """Whether ``kernel="auto"`` should take the Triton kernel for these inputs."""
+    if not isinstance(query, Tensor) or not query.is_cuda or mask is not None:
+        return False
+    if key_lengths is not None or query.dtype == torch.float64 or query.shape[-1] > 256:
+        return False
+    try:
+        from octlm.attention.triton_flash import is_available
+    except ImportError:
+        return False
+    return is_available(query.device)
