@@ -134,7 +134,7 @@ def gather_sequence(
     differentiable (``dist.all_gather`` is not).
     """
     _check_layout(layout)
-    group, _rank, world = _process_group(group)
+    group, _rank, world = process_group(group)
     _check_same_shapes(group, world, local=local)
     _check_shard(local.shape[dim], layout)
     local = local.contiguous()
@@ -150,12 +150,18 @@ def gather_sequence(
     return full
 
 
-def _process_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    """``(group, rank, world size)``; the default group when ``group`` is None."""
+def process_group(
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, rank, world size)`` of ``group``, the default group when None.
+
+    Raises RuntimeError when no process group has been initialised.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "ring attention needs an initialised torch.distributed process group: call "
-            "torch.distributed.init_process_group (torchrun sets up its environment) first"
+            "ring attention and context parallelism need an initialised torch.distributed "
+            "process group: call torch.distributed.init_process_group first (under torchrun, "
+            "init_process_group('gloo') on CPU or 'nccl' on CUDA)"
         )
     group = dist.group.WORLD if group is None else group
     return group, dist.get_rank(group), dist.get_world_size(group)
@@ -192,13 +198,12 @@ class _Ring:
         return _pieces(owner, self.world, self.layout, local_len)
 
     def send_on(self, *tensors: Tensor) -> Callable[[], tuple[Tensor, ...]]:
-        """Start passing ``tensors`` one step round; call the result to wait for what arrives.
+        """Start passing contiguous ``tensors`` one step round; call the result to wait for them.
 
         A ring of one passes to itself, so it hands back the same tensors.
         """
         if self.world == 1:
             return lambda: tensors
-        tensors = tuple(t.contiguous() for t in tensors)
         received = tuple(torch.empty_like(t) for t in tensors)
         operations = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors] + [
             dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received
@@ -353,7 +358,7 @@ def ring_attention(
     """
     _check_layout(layout)
     shape = check_inputs(query, key, value, causal=causal, window=window, scale=scale)
-    group, rank, world = _process_group(group)
+    group, rank, world = process_group(group)
     _check_same_shapes(group, world, query=query, key=key)
     if shape.q_len != shape.k_len:
         raise ValueError(
@@ -362,4 +367,6 @@ def ring_attention(
         )
     _check_shard(shape.q_len, layout)
     options = dict(causal=causal, window=window, scale=shape.scale, block=parse_block(block))
-    return _RingAttention.apply(query, key, value, _Ring(group, rank, world, layout), options)
+    ring = _Ring(group, rank, world, layout)
+    # Point-to-point sends need contiguous tensors (the model's values are a transposed view).
+    return _RingAttention.apply(query, key.contiguous(), value.contiguous(), ring, options)

@@ -1,0 +1,206 @@
+"""Ring attention over W CPU processes against tiled attention in one, at the same total length.
+
+    python -m octlm.bench.ring                    # 8,192 tokens; W = 1 (tiled), 2, 4; both modes
+    python -m octlm.bench.ring --length 256 --repeats 2 --output /tmp/ring.jsonl   # smoke run
+
+Each measurement (one world size, one mode) runs in fresh processes, one per rank, joined by a
+gloo process group over a file store: ``ru_maxrss`` is a lifetime peak, so nothing may run in a
+process before it. ``W = 1`` is the baseline, ``tiled_attention`` on the whole sequence. The
+machine's threads are shared out: each of the ``W`` ranks gets ``threads // W``.
+
+A repeat is timed from a barrier to a barrier, so it lasts as long as the slowest rank. Each
+record carries the DESIGN §5 benchmark fields and ``world_size``, ``layout``, and
+``rank_peak_bytes`` (every rank's ``ru_maxrss``); ``peak_bytes`` is the largest of those, and
+``baseline_bytes``/``extra_bytes`` are that rank's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from octlm import records
+from octlm.attention import ring_attention, tiled_attention
+from octlm.attention.ring import DEFAULT_LAYOUT, LAYOUTS
+from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.bench import memory
+
+EXPERIMENT = "bench-ring"
+OUTPUT = Path("runs") / "bench-ring-cpu.jsonl"
+
+
+def _worker(rank: int, spec: dict, folder: str) -> None:
+    """One rank of one measurement; writes ``rank<r>.json`` with its times and memory."""
+    world = spec["world_size"]
+    torch.set_num_threads(max(1, spec["threads"] // world))
+    result = {"pid": os.getpid(), "threads": torch.get_num_threads()}
+    try:
+        if world > 1:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                timeout=datetime.timedelta(seconds=spec["timeout"]),
+            )  # fmt: skip
+        result.update(_measure(rank, spec))
+        if world > 1:
+            dist.destroy_process_group()
+    except Exception as error:
+        result.update(status="error", reason=f"{type(error).__name__}: {error}"[:2000])
+        traceback.print_exc()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _measure(rank: int, spec: dict) -> dict:
+    """Warm up, time the repeats, read the memory figures."""
+    world, train = spec["world_size"], spec["mode"] == "train"
+    dtype = getattr(torch, spec["dtype"])
+    generator = torch.Generator().manual_seed(rank)
+    local_len = spec["length"] // world
+
+    def tensor(heads: int) -> torch.Tensor:
+        shape = (spec["batch"], heads, local_len, spec["head_size"])
+        x = torch.randn(shape, generator=generator).to(dtype)  # (B, heads, T/W, D)
+        return x.requires_grad_(train)
+
+    query, key, value = tensor(spec["heads"]), tensor(spec["kv_heads"]), tensor(spec["kv_heads"])
+    grad_out = torch.randn_like(query) if train else None  # (B, H, T/W, D)
+    options = dict(causal=spec["causal"], window=spec["window"], block=tuple(spec["block"]))
+    if world > 1:
+        options["layout"] = spec["layout"]
+
+    def step() -> None:
+        attend = ring_attention if world > 1 else tiled_attention
+        out = attend(query, key, value, **options)
+        if train:
+            out.backward(grad_out)
+            query.grad = key.grad = value.grad = None
+
+    def barrier() -> None:
+        if world > 1:
+            dist.barrier()
+
+    baseline = memory.baseline("cpu")
+    for _ in range(spec["warmup"]):
+        step()
+    seconds = []
+    for _ in range(spec["repeats"]):
+        barrier()
+        start = time.perf_counter()
+        step()
+        barrier()
+        seconds.append(time.perf_counter() - start)
+    return {"status": "ok", "seconds": seconds, "baseline": baseline, "peak": memory.peak("cpu")}
+
+
+def measure(spec: dict) -> dict:
+    """Run one measurement in ``spec["world_size"]`` fresh processes; return its record."""
+    world = spec["world_size"]
+    record = {
+        **records.context(EXPERIMENT),
+        **{name: value for name, value in spec.items() if name not in ("threads", "timeout")},
+        **dict.fromkeys(("status", "reason", "seconds_median", "seconds_iqr", "seconds")),
+        "memory_metric": memory.metric("cpu"),
+        **dict.fromkeys(("peak_bytes", "baseline_bytes", "extra_bytes", "pid")),
+        "rank_peak_bytes": None,
+    }
+    with tempfile.TemporaryDirectory(prefix="octlm-ring-") as folder:
+        context = mp.start_processes(
+            _worker, args=(spec, folder), nprocs=world, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + spec["timeout"]
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    record.update(status="timeout", reason=f"no result in {spec['timeout']} s")
+                    return record
+        except mp.ProcessExitedException as error:
+            record.update(status="error", reason=str(error)[:2000])
+            return record
+        ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
+    record["threads"] = ranks[0]["threads"]
+    failed = [r for r in ranks if r["status"] != "ok"]
+    if failed:
+        record.update(status=failed[0]["status"], reason=failed[0]["reason"])
+        return record
+    seconds = ranks[0]["seconds"]  # barrier to barrier: the slowest rank's time
+    quartiles = statistics.quantiles(seconds, n=4, method="inclusive") if len(seconds) > 1 else []
+    top = max(ranks, key=lambda r: r["peak"])
+    record.update(
+        status="ok",
+        seconds_median=statistics.median(seconds),
+        seconds_iqr=quartiles[2] - quartiles[0] if quartiles else 0.0,
+        seconds=seconds,
+        peak_bytes=top["peak"],
+        baseline_bytes=top["baseline"],
+        extra_bytes=top["peak"] - top["baseline"],
+        pid=top["pid"],
+        rank_peak_bytes=[r["peak"] for r in ranks],
+    )
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=8192, help="total tokens, all ranks")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="1 = tiled")
+    parser.add_argument("--modes", nargs="+", default=["forward", "train"])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=32)
+    parser.add_argument("--window", type=int, default=0)
+    parser.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="in all")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
+    parser.add_argument("--output", default=str(OUTPUT))
+    args = parser.parse_args(argv)
+    for world in args.worlds:
+        for mode in args.modes:
+            spec = {
+                "backend": "ring" if world > 1 else "tiled",
+                "mode": mode,
+                "dtype": args.dtype,
+                "batch": args.batch,
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+                "head_size": args.head_size,
+                "length": args.length,
+                "q_len": args.length,
+                "causal": True,
+                "window": args.window,
+                "padding": 0.0,
+                "block": list(DEFAULT_BLOCK),
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                "world_size": world,
+                "layout": args.layout if world > 1 else None,
+                "threads": args.threads,
+                "timeout": args.timeout,
+            }
+            record = measure(spec)
+            records.append(args.output, record)
+            summary = (
+                f"{record['seconds_median']:.3f} s, peak {record['peak_bytes'] / 2**20:.0f} MiB"
+                if record["status"] == "ok"
+                else f"{record['status']}: {record['reason']}"
+            )
+            print(f"{spec['backend']} W={world} {mode}: {summary}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

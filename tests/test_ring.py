@@ -1,0 +1,232 @@
+"""Ring attention and context-parallel model equal their single-process counterparts.
+
+Each world size (2 and 4) is one group of gloo processes on this CPU, spawned once per module:
+the workers run every check and write one JSON file per rank; the tests below read them. A
+spawn costs seconds, a check milliseconds, so checks are batched rather than spawned apiece.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from octlm.attention import naive_attention, ring_attention
+from octlm.attention.ring import gather_sequence, shard_positions, shard_sequence
+from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge, max_abs_diff
+from octlm.model import ModelConfig, OctLM
+from octlm.parallel import (
+    context_parallel_forward,
+    context_parallel_loss,
+    gather_logits,
+    reduce_gradients,
+)
+from tests.conftest import make_qkv, reference
+
+pytestmark = pytest.mark.distributed
+
+WORLDS = (2, 4)
+LENGTH = 48  # splits into 2W chunks for W = 2 and 4
+BLOCK = (4, 8)  # small tiles, so pieces span several blocks and edge blocks get masked
+SPAWN_TIMEOUT = 240.0
+
+# name: (dtype, causal, window, layout, heads, kv_heads)
+ATTENTION_CASES = {
+    "causal-zigzag-mha-float64": (torch.float64, True, 0, "zigzag", 2, 2),
+    "causal-plain-gqa-float64": (torch.float64, True, 0, "plain", 4, 2),
+    "full-zigzag-gqa-float64": (torch.float64, False, 0, "zigzag", 4, 2),
+    "full-plain-mqa-float64": (torch.float64, False, 0, "plain", 4, 1),
+    "window-zigzag-gqa-float64": (torch.float64, True, 5, "zigzag", 4, 2),
+    "window-plain-gqa-float64": (torch.float64, True, 7, "plain", 4, 2),
+    "causal-zigzag-gqa-float32": (torch.float32, True, 0, "zigzag", 4, 2),
+    "causal-zigzag-gqa-bfloat16": (torch.bfloat16, True, 0, "zigzag", 4, 2),
+}
+MODEL_WINDOWS = (0, 10)
+ERROR_CASES = ("unequal-shards", "odd-zigzag-shard", "keys-not-queries")
+
+
+def _attention_check(rank: int, world: int, case: tuple) -> str | None:
+    """Ring output and gradients vs the fp64 reference on the whole sequence; None if equal."""
+    dtype, causal, window, layout, heads, kv_heads = case
+    inputs = make_qkv(heads=heads, kv_heads=kv_heads, q_len=LENGTH, head_size=8, dtype=dtype)
+    grad_out = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1))
+    grad_out = grad_out.to(dtype)  # (B, H, T, D), the same on every rank
+
+    def full_result(attend, tensors):
+        tensors = [t.detach().clone().requires_grad_() for t in tensors]
+        out = attend(*tensors, causal=causal, window=window)
+        out.backward(grad_out.to(out.dtype))
+        return [out.detach()] + [t.grad for t in tensors]
+
+    golden = full_result(reference, [t.double() for t in inputs])
+    base = full_result(naive_attention, inputs)
+    local = [shard_sequence(t, rank, world, layout).requires_grad_() for t in inputs]
+    out = ring_attention(*local, causal=causal, window=window, layout=layout, block=BLOCK)
+    out.backward(shard_sequence(grad_out, rank, world, layout))
+    tested = [gather_sequence(t, layout=layout) for t in [out.detach()] + [t.grad for t in local]]
+
+    failures = []
+    for name, tensors, factor in zip(
+        ("out", "dq", "dk", "dv"),
+        zip(tested, base, golden, strict=True),
+        (OUTPUT_FACTOR, GRADIENT_FACTOR, GRADIENT_FACTOR, GRADIENT_FACTOR),
+        strict=True,
+    ):
+        verdict = judge(*tensors, factor=factor)
+        if not verdict.passed:
+            failures.append(f"{name}: {verdict}")
+    return "; ".join(failures) or None
+
+
+def _model_check(rank: int, world: int, window: int) -> str | None:
+    """Sharded logits, loss and summed parameter gradients vs one process, in float64."""
+    config = ModelConfig(
+        vocab_size=64, width=32, n_layers=2, n_heads=4, n_kv_heads=2, max_length=LENGTH,
+        attention="ring", window=window,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = OctLM(config).double()
+    single = OctLM(replace(config, attention="naive")).double()
+    single.load_state_dict(model.state_dict())
+    tokens = torch.randint(64, (2, LENGTH + 1), generator=torch.Generator().manual_seed(2))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+
+    logits = single(inputs)  # (B, T, V)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    with torch.no_grad():
+        local_logits = gather_logits(context_parallel_forward(model, inputs))  # (B, T, V)
+    local_loss = context_parallel_loss(model, inputs, targets)
+    local_loss.backward()
+    reduce_gradients(model)
+    summed_loss = local_loss.detach().clone()
+    dist.all_reduce(summed_loss)
+
+    differences = {
+        "logits": max_abs_diff(local_logits, logits),
+        "loss": abs(summed_loss.item() - loss.item()),
+    }
+    for (name, parameter), (_, expected) in zip(
+        model.named_parameters(), single.named_parameters(), strict=True
+    ):
+        differences[name] = max_abs_diff(parameter.grad, expected.grad)
+    failures = [f"{name} off by {diff:.3g}" for name, diff in differences.items() if diff > 1e-10]
+    return "; ".join(failures) or None
+
+
+def _error_check(rank: int, world: int, case: str) -> str | None:
+    """The bad call must raise ValueError on every rank (so none waits on the others)."""
+    length = {"unequal-shards": 8 + 4 * rank, "odd-zigzag-shard": 7}.get(case, 8)
+    query, key, value = make_qkv(q_len=length, head_size=8, dtype=torch.float64)
+    if case == "keys-not-queries":
+        key, value = key[:, :, :4], value[:, :, :4]
+    try:
+        ring_attention(query, key, value)
+    except ValueError as error:
+        expected = {"unequal-shards": "same shape", "odd-zigzag-shard": "even"}
+        word = expected.get(case, "same positions")
+        return None if word in str(error) else f"message lacks {word!r}: {error}"
+    return "no ValueError raised"
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    results = {}
+    for name, case in ATTENTION_CASES.items():
+        results[f"attention/{name}"] = _attention_check(rank, world, case)
+    for window in MODEL_WINDOWS:
+        results[f"model/window{window}"] = _model_check(rank, world, window)
+    for case in ERROR_CASES:
+        results[f"error/{case}"] = _error_check(rank, world, case)
+    dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
+def ring_results(request, tmp_path_factory) -> list[dict]:
+    """Every rank's ``{check: None or what failed}`` for one world size."""
+    world = request.param
+    folder = tmp_path_factory.mktemp(f"ring{world}")
+    context = mp.start_processes(
+        _worker, args=(world, str(folder / "store"), str(folder)), nprocs=world, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + SPAWN_TIMEOUT
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.terminate()
+            pytest.fail(f"ring workers (world {world}) did not finish in {SPAWN_TIMEOUT} s")
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def _assert_passed(ring_results: list[dict], check: str) -> None:
+    failures = {rank: r[check] for rank, r in enumerate(ring_results) if r[check] is not None}
+    assert not failures, f"{check}: {failures}"
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_ring_attention_matches_reference(ring_results, case):
+    _assert_passed(ring_results, f"attention/{case}")
+
+
+@pytest.mark.parametrize("window", MODEL_WINDOWS)
+def test_context_parallel_model_matches_single_process(ring_results, window):
+    _assert_passed(ring_results, f"model/window{window}")
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_bad_shards_raise_on_every_rank(ring_results, case):
+    _assert_passed(ring_results, f"error/{case}")
+
+
+def test_ring_attention_without_process_group_raises():
+    query, key, value = make_qkv(q_len=8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_attention(query, key, value)
+
+
+def test_unknown_layout_raises():
+    query, key, value = make_qkv(q_len=8)
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(query, key, value, layout="striped")
+    with pytest.raises(ValueError, match="layout"):
+        shard_positions(8, 0, 2, "striped")
+
+
+@pytest.mark.parametrize("layout, length", [("zigzag", 12), ("plain", 10)])
+def test_length_the_layout_cannot_split_raises(layout, length):
+    with pytest.raises(ValueError, match=f"sequence length {length}"):
+        shard_sequence(torch.zeros(1, 1, length, 2), 0, 4, layout)
+
+
+def test_shard_positions_cover_the_sequence_once():
+    world = 4
+    zigzag = [shard_positions(16, rank, world, "zigzag").tolist() for rank in range(world)]
+    assert zigzag[0] == [0, 1, 14, 15] and zigzag[3] == [6, 7, 8, 9]
+    assert sorted(p for shard in zigzag for p in shard) == list(range(16))
+    assert shard_positions(16, 1, world, "plain").tolist() == [4, 5, 6, 7]
+
+
+def test_shard_sequence_follows_shard_positions():
+    x = torch.arange(16.0).view(1, 1, 16, 1)  # (B, H, T, D), value = position
+    for rank in range(4):
+        shard = shard_sequence(x, rank, 4, "zigzag")  # (1, 1, 4, 1)
+        assert shard.flatten().tolist() == shard_positions(16, rank, 4).tolist()
+
+
+def test_context_parallel_forward_needs_ring_attention():
+    model = OctLM(ModelConfig(vocab_size=16, width=16, n_layers=1, n_heads=2, max_length=8))
+    with pytest.raises(ValueError, match="attention='ring'"):
+        context_parallel_forward(model, torch.zeros(1, 8, dtype=torch.int64))
