@@ -1,0 +1,214 @@
+"""What to measure: one :class:`Measurement` per worker, grids of them, and named suites.
+
+A suite is a list of :class:`Grid` s, because the structure cases of issue 8 (window, prefill,
+decode, padding) are several small grids, not one product. Command-line options override a
+field in every grid of the chosen suite.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, fields, replace
+
+from octlm.attention.tiled import DEFAULT_BLOCK
+
+BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "triton")
+MODES = ("forward", "train")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Everything a worker needs for one measurement; also the record's identifying fields.
+
+    ``length`` is the number of keys; ``q_len`` queries attend to them, bottom-right causal
+    (``q_len < length`` is a chunk of new tokens after a cache). ``padding`` is the fraction of
+    keys hidden by ``key_lengths``. ``block`` is the tiled backend's ``(block_q, block_k)`` and
+    ``None`` for the others.
+    """
+
+    backend: str
+    mode: str
+    dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    length: int
+    q_len: int
+    causal: bool
+    window: int
+    padding: float
+    block: tuple[int, int] | None
+    repeats: int
+    warmup: int
+    device: str
+
+    def key(self) -> tuple:
+        """What makes two measurements the same one (repeats and warm-up do not)."""
+        return key_of(asdict(self))
+
+    def label(self) -> str:
+        """Short, for the progress bar."""
+        shape = f"{self.length}" if self.q_len == self.length else f"{self.q_len}x{self.length}"
+        extra = "".join(
+            f" {name}={value}"
+            for name, value in (("window", self.window), ("padding", self.padding))
+            if value
+        )
+        return f"{self.backend} {self.mode} {self.dtype} {shape}{extra}"
+
+
+def key_of(record: dict) -> tuple:
+    """:meth:`Measurement.key` of a record, so a file can say which measurements it holds."""
+    names = [f.name for f in fields(Measurement) if f.name not in ("repeats", "warmup", "device")]
+    values = [record.get(name) for name in names]
+    block = record.get("block")
+    values[names.index("block")] = tuple(block) if block else None
+    return tuple(values)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A product of options; ``q_lens`` entry ``None`` means as many queries as keys."""
+
+    backends: tuple[str, ...]
+    lengths: tuple[int, ...]
+    dtypes: tuple[str, ...] = ("float32",)
+    modes: tuple[str, ...] = ("forward",)
+    head_sizes: tuple[int, ...] = (32,)
+    q_lens: tuple[int | None, ...] = (None,)
+    windows: tuple[int, ...] = (0,)
+    paddings: tuple[float, ...] = (0.0,)
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int | None = None  # None: as many as heads
+    causal: bool = True
+    block: tuple[int, int] = DEFAULT_BLOCK
+    repeats: int = 3
+    device: str = "cpu"
+
+    def measurements(self) -> list[Measurement]:
+        """Shortest lengths first, so an interrupted run has the cheap rows."""
+        warmup = 3 if self.device.startswith("cuda") else 1
+        combos = itertools.product(
+            self.lengths,
+            self.head_sizes,
+            self.dtypes,
+            self.modes,
+            self.q_lens,
+            self.windows,
+            self.paddings,
+            self.backends,
+        )
+        out = []
+        for length, head_size, dtype, mode, q_len, window, padding, backend in combos:
+            if q_len is not None and q_len > length:
+                continue  # more new queries than keys: not a cache shape
+            out.append(
+                Measurement(
+                    backend=backend,
+                    mode=mode,
+                    dtype=dtype,
+                    batch=self.batch,
+                    heads=self.heads,
+                    kv_heads=self.kv_heads or self.heads,
+                    head_size=head_size,
+                    length=length,
+                    q_len=length if q_len is None else q_len,
+                    causal=self.causal,
+                    window=window,
+                    padding=padding,
+                    block=self.block if backend == "tiled" else None,
+                    repeats=self.repeats,
+                    warmup=warmup,
+                    device=self.device,
+                )
+            )
+        return out
+
+
+# The options of a grid that the command line may override.
+GRID_OPTIONS = tuple(f.name for f in fields(Grid))
+
+_CPU_LENGTHS = (1024, 2048, 4096, 8192)
+_CUDA_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+_STRUCTURE = Grid(backends=("flash", "tiled", "math"), lengths=(8192,))
+
+SUITES: dict[str, tuple[Grid, ...]] = {
+    # The seed's Day 2 grid: forward, batch 1, 8 heads of 32, float32 and bfloat16.
+    "seed": (
+        Grid(
+            backends=("math", "flash", "efficient", "tiled", "naive"),
+            lengths=_CPU_LENGTHS,
+            dtypes=("float32", "bfloat16"),
+        ),
+    ),
+    # Forward + backward; MATH stops at 8,192 where its score matrices stop fitting.
+    "train": (
+        Grid(backends=("math", "flash", "tiled"), lengths=_CPU_LENGTHS, modes=("train",)),
+        Grid(backends=("flash", "tiled"), lengths=(16384,), modes=("train",)),
+    ),
+    # Issue 8: structure that tiled can skip and a dense mask cannot.
+    "structure": (
+        replace(_STRUCTURE, windows=(512,), modes=("forward", "train")),
+        replace(_STRUCTURE, q_lens=(1024,)),
+        replace(_STRUCTURE, q_lens=(1,)),
+        replace(_STRUCTURE, paddings=(0.5,)),
+    ),
+    "cuda": (
+        Grid(
+            backends=("math", "flash", "efficient", "cudnn", "tiled", "triton"),
+            lengths=_CUDA_LENGTHS,
+            dtypes=("float16", "bfloat16"),
+            modes=("forward", "train"),
+            head_sizes=(64, 128),
+            repeats=10,
+            device="cuda",
+        ),
+    ),
+}
+
+
+def suite(name: str, **overrides) -> list[Measurement]:
+    """The measurements of suite ``name``, each grid with ``overrides`` (``None`` = keep)."""
+    if name not in SUITES:
+        raise ValueError(f"suite must be one of {sorted(SUITES)}, got {name!r}")
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    grids = [replace(grid, **overrides) for grid in SUITES[name]]
+    for grid in grids:
+        _check(grid)
+    # Overrides can make two grids alike (--window on the structure suite): measure once.
+    return list(dict.fromkeys(m for grid in grids for m in grid.measurements()))
+
+
+def _check(grid: Grid) -> None:
+    """Reject a grid that no worker could run; the message names the command-line option."""
+    for name, option, allowed in (
+        ("backends", "--backends", BACKENDS),
+        ("modes", "--modes", MODES),
+        ("dtypes", "--dtypes", DTYPES),
+    ):
+        wrong = [value for value in getattr(grid, name) if value not in allowed]
+        if wrong:
+            raise ValueError(f"{name} ({option}) must be among {list(allowed)}, got {wrong}")
+    for name, option, values, low in (
+        ("lengths", "--lengths", grid.lengths, 1),
+        ("head_sizes", "--head-size", grid.head_sizes, 1),
+        ("q_lens", "--q-len", [q for q in grid.q_lens if q is not None], 1),
+        ("windows", "--window", grid.windows, 0),
+    ):
+        if any(value < low for value in values):
+            raise ValueError(f"{name} ({option}) must be >= {low}, got {list(values)}")
+    if any(not 0.0 <= padding < 1.0 for padding in grid.paddings):
+        raise ValueError(f"paddings (--padding) must lie in [0, 1), got {list(grid.paddings)}")
+    kv_heads = grid.kv_heads or grid.heads
+    if grid.batch < 1 or grid.heads < 1 or kv_heads < 1 or grid.heads % kv_heads:
+        raise ValueError(
+            f"--batch ({grid.batch}) and --heads ({grid.heads}) must be >= 1, and heads a "
+            f"multiple of --kv-heads ({kv_heads})"
+        )
+    if grid.repeats < 1:
+        raise ValueError(f"repeats (--repeats) must be >= 1, got {grid.repeats}")
+    if grid.device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device (--device) must be cpu or cuda, got {grid.device!r}")
