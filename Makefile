@@ -5,8 +5,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+# Where `make report` writes. The committed reference report lives in runs/ and was made with
+# `make reference`; a fresh machine's own figures go to runs/local/ (not committed).
+RUNS ?= runs/local
 
-.PHONY: test report verify bench lint format clean
+.PHONY: test report reference verify bench lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,14 +24,23 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 verify: $(VENV)/.installed
-	$(PY) -m octlm verify --quick
+	$(PY) -m octlm verify --quick --out $(RUNS)
 
 bench: $(VENV)/.installed
-	$(PY) -m octlm bench
+	$(PY) -m octlm bench --output $(RUNS)/bench-seed-cpu.jsonl
 
 report: $(VENV)/.installed
-	$(PY) -m octlm verify --quick
-	$(PY) -m octlm bench --resume
+	$(PY) -m octlm verify --quick --out $(RUNS)
+	$(PY) -m octlm bench --resume --output $(RUNS)/bench-seed-cpu.jsonl
+	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/bench-*.jsonl
+
+# The reference figures README quotes: every CPU suite, about half an hour on 2 cores.
+reference: $(VENV)/.installed
+	$(PY) -m octlm verify --out runs
+	$(PY) -m octlm bench --suite seed --resume
+	$(PY) -m octlm bench --suite train --resume
+	$(PY) -m octlm bench --suite structure --resume
+	$(PY) -m octlm.bench.ring
 	$(PY) -m octlm report
 
 lint: $(VENV)/.installed

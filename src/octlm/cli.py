@@ -7,18 +7,176 @@ import sys
 
 
 def _verify_parser(parser: argparse.ArgumentParser) -> None:
-    """Options of ``octlm verify`` (owned by the verify work)."""
-    parser.set_defaults(run=lambda args: _not_ready("verify"))
+    """Options of ``octlm verify``: where records go, how much to run, on what."""
+    from octlm import verify
+
+    parser.description = (
+        "Check every attention implementation against float64 naive attention (DESIGN §4) and "
+        "against each other, from single calls to the whole model, its decoding and training. "
+        "One records file per experiment, OUT/<date>-<experiment>.jsonl; exit status 1 when "
+        "any check fails."
+    )
+    parser.add_argument("--out", default="runs", help="folder for the records (default runs)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer sizes and blocks: about a minute on 2 cores"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default cpu)")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=list(verify.DTYPES),
+        dest="dtypes",
+        metavar="DTYPE",
+        help=f"tested dtypes, among {', '.join(verify.DTYPES)} (default: float32 bfloat16 on "
+        "CPU, float32 float16 bfloat16 on CUDA)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(verify.EXPERIMENTS),
+        metavar="EXPERIMENT",
+        help=f"run only these, among {', '.join(verify.EXPERIMENTS)}",
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            verify.check_options(args.device, args.dtypes or (), args.only or ())
+        except ValueError as error:
+            print(f"octlm verify: {error}", file=sys.stderr)
+            return 2
+        plan = verify.QUICK if args.quick else verify.FULL
+        try:
+            found, paths = verify.run(
+                args.out, plan=plan, device=args.device, dtypes=args.dtypes, experiments=args.only
+            )
+        except KeyboardInterrupt:
+            print(f"octlm verify: interrupted; finished records are in {args.out}", file=sys.stderr)
+            return 130
+        print(verify.summary(found))
+        print("records:", *paths, sep="\n  ")
+        failed = sum(not record["passed"] for record in found)
+        if failed:
+            print(f"octlm verify: {failed} of {len(found)} checks failed", file=sys.stderr)
+        return 1 if failed else 0
+
+    parser.set_defaults(run=run)
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
-    """Options of ``octlm bench`` (owned by the bench work)."""
-    parser.set_defaults(run=lambda args: _not_ready("bench"))
+    """Options of ``octlm bench``: a named suite, and options that override its grid."""
+    from octlm.bench.suites import BACKENDS, DTYPES, GRID_OPTIONS, MODES, SUITES
+
+    parser.description = (
+        "Run every measurement of a suite in its own process and append one record per "
+        "measurement. Grid options replace the suite's value in all of its grids."
+    )
+    parser.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        default="seed",
+        help="named grid (default: seed, the seed note's Day 2 grid)",
+    )
+    grid = parser.add_argument_group("grid (default: the suite's)")
+    grid.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        metavar="NAME",
+        help=f"among {', '.join(BACKENDS)}",
+    )
+    grid.add_argument(
+        "--modes", nargs="+", choices=MODES, help="forward, or train (forward + backward)"
+    )
+    grid.add_argument("--lengths", nargs="+", type=int, metavar="T", help="key lengths")
+    grid.add_argument(
+        "--dtypes", nargs="+", choices=DTYPES, metavar="DTYPE", help=f"among {', '.join(DTYPES)}"
+    )
+    grid.add_argument("--batch", type=int)
+    grid.add_argument("--heads", type=int, help="query heads")
+    grid.add_argument("--kv-heads", type=int, dest="kv_heads", help="key/value heads")
+    grid.add_argument("--head-size", nargs="+", type=int, dest="head_sizes", metavar="D")
+    grid.add_argument("--causal", action=argparse.BooleanOptionalAction)
+    grid.add_argument(
+        "--window",
+        nargs="+",
+        type=int,
+        dest="windows",
+        metavar="W",
+        help="sliding window (0 = none)",
+    )
+    grid.add_argument(
+        "--q-len",
+        nargs="+",
+        type=int,
+        dest="q_lens",
+        metavar="Q",
+        help="new queries against a cache of LENGTH keys (bottom-right causal)",
+    )
+    grid.add_argument(
+        "--padding",
+        nargs="+",
+        type=float,
+        dest="paddings",
+        metavar="F",
+        help="fraction of keys that are padding (key_lengths)",
+    )
+    grid.add_argument(
+        "--block", nargs="+", type=int, metavar="B", help="tiled's block: B, or BLOCK_Q BLOCK_K"
+    )
+    grid.add_argument("--repeats", type=int, help="timed calls per measurement")
+    grid.add_argument("--device", help="cpu or cuda")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds per measurement before its worker is killed (default 600)",
+    )
+    parser.add_argument("--output", help="records file (default runs/bench-SUITE-DEVICE.jsonl)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip measurements already recorded ok, skipped or unsupported",
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.bench.driver import bench
+
+        grid_options = {name: getattr(args, name) for name in GRID_OPTIONS}
+        try:
+            return bench(
+                args.suite,
+                output=args.output,
+                timeout=args.timeout,
+                resume=args.resume,
+                **grid_options,
+            )
+        except ValueError as error:  # a bad option or an unusable device: say which
+            print(f"octlm bench: {error}", file=sys.stderr)
+            return 2
+
+    parser.set_defaults(run=run)
 
 
 def _report_parser(parser: argparse.ArgumentParser) -> None:
-    """Options of ``octlm report`` (owned by the report work)."""
-    parser.set_defaults(run=lambda args: _not_ready("report"))
+    """Options of ``octlm report``: which records, and where the Markdown and plots go."""
+    parser.description = (
+        "Tables and plots from benchmark records: the seed's claims beside this machine's "
+        "figures, the structure cases, and every plain measurement."
+    )
+    parser.add_argument("paths", nargs="*", help="records files (default: runs/*.jsonl)")
+    parser.add_argument(
+        "--output",
+        default="runs/report.md",
+        help="the report; PNGs go beside it (default %(default)s)",
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.report import write_report
+
+        print(write_report(args.paths or None, args.output))
+        return 0
+
+    parser.set_defaults(run=run)
 
 
 def _not_ready(name: str) -> int:

@@ -1,0 +1,135 @@
+"""``octlm verify``: the quick run passes and writes DESIGN §5 records, a broken implementation
+fails it with a record that says which check and by how much, and an interrupted run keeps
+every record it finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import octlm.attention.tiled
+from octlm import cli, verify
+
+FIELDS = {
+    # every record (records.context)
+    *("experiment", "time", "torch", "device", "threads", "host_cpu"),
+    # every verification record
+    *("check", "left", "right", "dtype", "length", "block", "kv_heads", "head_size", "causal"),
+    *("window", "error", "base_error", "tolerance", "max_abs_diff", "passed"),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These sizes only pay for a second intra-op thread in synchronisation."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def lines(folder: Path) -> list[dict]:
+    """Every line of every records file, parsed strictly (a torn line fails the test)."""
+    return [
+        json.loads(line)
+        for path in sorted(folder.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+@pytest.mark.slow
+def test_quick_run_passes_and_writes_design_records(tmp_path, capsys):
+    assert cli.main(["verify", "--quick", "--out", str(tmp_path)]) == 0
+    files = sorted(tmp_path.glob("*.jsonl"))
+    assert [path.name.split("-", 3)[3] for path in files] == sorted(
+        f"{name}.jsonl" for name in verify.EXPERIMENTS
+    )
+    found = lines(tmp_path)
+    assert {record["experiment"] for record in found} == set(verify.EXPERIMENTS)
+    for record in found:
+        assert record.keys() >= FIELDS, FIELDS - record.keys()
+        assert record["passed"], record
+    output = capsys.readouterr().out
+    assert "worst error" in output and "FAIL" not in output
+    assert all(str(path) in output for path in files)
+
+
+def perturb_forward(monkeypatch):
+    forward = octlm.attention.tiled.attend_forward
+
+    def broken(*args, **kwargs):
+        out, lse = forward(*args, **kwargs)
+        return out + 1e-3, lse
+
+    monkeypatch.setattr(octlm.attention.tiled, "attend_forward", broken)
+
+
+def perturb_backward(monkeypatch):
+    backward = octlm.attention.tiled.attend_backward
+
+    def broken(*args, **kwargs):
+        grad_query, grad_key, grad_value = backward(*args, **kwargs)
+        return grad_query, grad_key, grad_value + 1e-3
+
+    monkeypatch.setattr(octlm.attention.tiled, "attend_backward", broken)
+
+
+@pytest.mark.parametrize(
+    "perturb, experiment, check",
+    [
+        (perturb_forward, "tiled-sdpa", "tiled vs sdpa output"),
+        (perturb_backward, "gradients", "gradient of value"),
+    ],
+)
+def test_broken_tiled_fails_and_says_where(perturb, experiment, check, tmp_path, monkeypatch):
+    perturb(monkeypatch)
+    argv = ["verify", "--quick", "--out", str(tmp_path), "--dtype", "float32", "--only"]
+    assert cli.main([*argv, experiment]) == 1
+    failed = [record for record in lines(tmp_path) if not record["passed"]]
+    assert failed and {record["check"] for record in failed} == {check}
+    for record in failed:
+        assert record["error"] > record["tolerance"]
+        assert record["error"] == pytest.approx(1e-3, rel=0.05)  # the perturbation, seen
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_interrupted_run_keeps_every_finished_record(stop, tmp_path):
+    command = [sys.executable, "-m", "octlm", "verify", "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(path.stat().st_size for path in tmp_path.glob("*.jsonl")):
+            assert process.poll() is None, "verify ended before writing a record"
+            assert time.monotonic() < deadline, "no record within 120 s"
+            time.sleep(0.05)
+        process.send_signal(stop)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    if stop == signal.SIGINT:
+        assert process.returncode == 130 and "interrupted" in stderr
+    else:
+        assert process.returncode == -signal.SIGKILL
+    found = lines(tmp_path)
+    assert found and all(record.keys() >= FIELDS for record in found)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [(["--device", "tpu"], "device"), (["--device", "cuda:7"], "device")],
+)
+def test_bad_options_name_the_argument(argv, named, tmp_path, capsys):
+    if argv[-1].startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert cli.main(["verify", "--out", str(tmp_path), *argv]) == 2
+    assert named in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
