@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -114,15 +116,19 @@ def test_attention_mask_is_bottom_right_causal_with_window():
 
 
 def test_kernel_choice_is_validated_and_routed(monkeypatch):
+    """Routing only: a stand-in module takes the Triton call, so Triton itself is not imported
+    here (its CPU interpreter must be switched on before the first import, in test_triton)."""
+    import types
+
     import octlm.attention.tiled as tiled
-    import octlm.attention.triton_flash as triton_flash
 
     with pytest.raises(ValueError, match="kernel must be one of"):
         tiled_attention(*qkv(), kernel="cuda")
     query, key, value = qkv()
     assert not tiled._triton_fits(query, None, None)  # CPU tensors stay on the PyTorch path
     calls = []
-    monkeypatch.setattr(triton_flash, "triton_attention", lambda *a, **kw: calls.append(kw))
+    stand_in = types.SimpleNamespace(triton_attention=lambda *a, **kw: calls.append(kw))
+    monkeypatch.setitem(sys.modules, "octlm.attention.triton_flash", stand_in)
     monkeypatch.setattr(tiled, "_triton_fits", lambda *a: True)
     tiled_attention(query, key, value, window=3)
     assert calls and calls[0]["window"] == 3

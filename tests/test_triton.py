@@ -1,0 +1,250 @@
+"""The Triton FlashAttention kernels against the float64 reference (DESIGN §4).
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter, which has to be on
+when Triton is first imported and again when a kernel first runs, so this module switches it on
+for its import and its own tests only (processes that other tests spawn must not inherit it).
+The interpreter is slow: shapes are tiny, and its blocks are 16 x 16 so that they still make
+several blocks, partial blocks and skipped blocks. On a GPU the same tests run compiled, and
+the CUDA-only ones add bfloat16 and larger shapes. The interpreter computes bfloat16 wrongly,
+so bfloat16 is tested on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from octlm.attention import naive_attention
+from octlm.attention.masks import dense_mask
+from tests.conftest import assert_judged, make_qkv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+_PREVIOUS = os.environ.get("TRITON_INTERPRET")
+
+
+def _interpret(on: bool) -> None:
+    """Switch Triton's CPU interpreter on, or back to how the environment had it."""
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif _PREVIOUS is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS
+
+
+if not CUDA and sys.modules.get("triton") is not None and _PREVIOUS != "1":
+    pytest.skip(
+        "Triton was imported for a GPU before this module could switch its CPU interpreter on; "
+        "run `pytest tests/test_triton.py` on its own, or set TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+_interpret(not CUDA)
+try:
+    pytest.importorskip("triton", reason="Triton is not installed (pip install octlm[triton])")
+    from octlm.attention import triton_flash
+finally:
+    _interpret(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_while_testing():
+    """Triton reads the switch again at the first launch, so it is on for this module's tests
+    (and only for them: processes that other tests spawn must not inherit it)."""
+    _interpret(not CUDA)
+    yield
+    _interpret(False)
+
+
+triton_attention = triton_flash.triton_attention
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+# id: (batch, heads, kv_heads, q_len, k_len, head_size, causal, window). Against 16 x 16 blocks,
+# past = 33 and window - past = 18, 50 put a causal or window edge on a block's first or last row,
+# where an off-by-one in the block skipping would drop a block that is needed.
+CASES = {
+    "causal": (1, 2, 2, 17, 17, 16, True, 0),
+    "causal-gqa-q<k": (1, 2, 1, 17, 50, 40, True, 0),
+    "causal-q>k-empty-rows": (1, 2, 2, 50, 17, 16, True, 0),
+    "causal-mqa": (1, 4, 1, 70, 70, 64, True, 0),
+    "decode-one-query": (1, 4, 2, 1, 50, 64, True, 0),
+    "window-gqa": (1, 2, 1, 70, 70, 16, True, 18),
+    "noncausal-gqa-batch": (2, 4, 2, 50, 50, 40, False, 0),
+    "noncausal-q<k": (1, 2, 2, 33, 70, 64, False, 0),
+    "noncausal-mqa-q>k": (1, 2, 1, 50, 17, 40, False, 0),
+    "noncausal-window-q>k": (1, 2, 2, 70, 33, 40, False, 13),
+}
+
+
+def run(function, inputs, grad_out, **options):
+    """Output and ``[dq, dk, dv]`` of ``function`` on fresh leaves of ``inputs``."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = function(*leaves, **options)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [x.grad for x in leaves]
+
+
+def reference_lse(query, key, causal, window):
+    """fp64 log-sum-exp of the visible scaled scores, -inf for rows that see no key."""
+    query, key = query.double(), key.double()
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, H, K, D)
+    scores = query @ key.transpose(-2, -1) * query.shape[-1] ** -0.5  # (B, H, Q, K)
+    visible = dense_mask(query.shape[2], key.shape[2], causal, window, None, query.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.logsumexp(dim=-1)  # (B, H, Q)
+
+
+def check_against_reference(batch, heads, kv_heads, q_len, k_len, head_size, causal, window,
+                            dtype):  # fmt: skip
+    """Output, lse and gradients of the kernels against naive fp64, relative to naive in dtype."""
+    inputs = make_qkv(batch, heads, kv_heads, q_len, k_len, head_size, dtype=torch.float64)
+    inputs = [x.to(DEVICE, dtype) for x in inputs]
+    grad_out = torch.randn(batch, heads, q_len, head_size, dtype=torch.float64).to(DEVICE)
+    options = dict(causal=causal, window=window)
+    out, grads = run(triton_attention, inputs, grad_out, **options)
+    base, base_grads = run(naive_attention, inputs, grad_out, **options)
+    golden, golden_grads = run(naive_attention, [x.double() for x in inputs], grad_out, **options)
+
+    assert out.dtype == dtype and out.shape == inputs[0].shape
+    assert_judged(out, base, golden)
+    for name, tested, plain, exact in zip("qkv", grads, base_grads, golden_grads, strict=True):
+        assert tested.dtype == dtype and torch.isfinite(tested).all(), f"d{name}"
+        assert_judged(tested, plain, exact, factor=3.0)
+
+    _, lse = triton_attention(*inputs, **options, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (batch, heads, q_len)
+    expected = reference_lse(inputs[0], inputs[1], causal, window).float()
+    torch.testing.assert_close(lse, expected, atol=1e-4, rtol=1e-5)  # -inf must match -inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_forward_and_backward_match_reference(case, dtype):
+    check_against_reference(*case, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_size", [8, 24, 100])
+def test_head_sizes_padded_to_a_power_of_two(head_size):
+    check_against_reference(1, 2, 1, 20, 20, head_size, True, 0, dtype=torch.float32)
+
+
+def test_non_causal_backward_reaches_keys_after_the_query():
+    """A widely copied tutorial kernel sums dK/dV over the causal triangle even when asked for
+    full attention; here the last key gets gradient from every row, not from the last only."""
+    inputs = make_qkv(1, 2, 2, 40, 40, 16)
+    inputs = [x.to(DEVICE) for x in inputs]
+    grad_out = torch.ones(inputs[0].shape, device=DEVICE)
+    _, full = run(triton_attention, inputs, grad_out, causal=False)
+    _, golden = run(naive_attention, [x.double() for x in inputs], grad_out, causal=False)
+    _, causal = run(triton_attention, inputs, grad_out, causal=True)
+    torch.testing.assert_close(full[1].double(), golden[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full[2].double(), golden[2], atol=1e-5, rtol=1e-5)
+    assert (full[2][:, :, -1] - causal[2][:, :, -1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("q_len, k_len", [(20, 5), (6, 0)])
+def test_rows_that_see_no_key_give_zeros_and_zero_gradients(q_len, k_len):
+    """Causal with q_len > k_len: the first q_len - k_len rows come before every key."""
+    query, key, value = (x.to(DEVICE) for x in make_qkv(1, 2, 1, q_len, k_len, 16))
+    leaves = [x.requires_grad_() for x in (query, key, value)]
+    out, lse = triton_attention(*leaves, return_lse=True)
+    out.backward(torch.randn_like(out))
+    empty = q_len - k_len
+    assert torch.isfinite(out).all() and not query.grad.isnan().any()
+    assert (out[:, :, :empty] == 0).all() and (query.grad[:, :, :empty] == 0).all()
+    assert (lse[:, :, :empty] == float("-inf")).all() and torch.isfinite(lse[:, :, empty:]).all()
+
+
+def test_strided_inputs_give_the_same_result():
+    """Layouts the model produces, (B, L, H, D) transposed, and a head dim that is not
+    contiguous (copied), give bit-for-bit what contiguous inputs give."""
+    inputs = [x.to(DEVICE) for x in make_qkv(2, 2, 1, 30, 30, 16)]
+    grad_out = torch.randn(inputs[0].shape, device=DEVICE)
+    out, grads = run(triton_attention, inputs, grad_out)
+    rows_major = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in inputs]
+    dims_strided = [x.transpose(2, 3).contiguous().transpose(2, 3) for x in inputs]
+    for layout in (rows_major, dims_strided):
+        strided_grad = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+        strided_out, strided_grads = run(triton_attention, layout, strided_grad)
+        assert torch.equal(strided_out, out)
+        assert all(torch.equal(a, b) for a, b in zip(strided_grads, grads, strict=True))
+
+
+def test_explicit_scale():
+    query, key, value = (x.to(DEVICE) for x in make_qkv(1, 2, 2, 20, 20, 16))
+    out = triton_attention(query, key, value, scale=0.3)
+    golden = naive_attention(query.double(), key.double(), value.double(), scale=0.3)
+    assert_judged(out, naive_attention(query, key, value, scale=0.3), golden)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(mask=torch.ones(4, 4, dtype=torch.bool)), ValueError, "mask"),
+        (dict(key_lengths=torch.tensor([4])), ValueError, "key_lengths"),
+        (dict(dropout_p=0.1), ValueError, "dropout_p"),
+        (dict(window=-1), ValueError, "window"),
+        (dict(dtype=torch.float64), TypeError, "float64"),
+        (dict(head_size=264), ValueError, "head_size <= 256"),
+        (dict(kv_heads=3), ValueError, "multiple of key/value heads"),
+    ],
+)
+def test_rejects_what_it_does_not_support(change, error, words):
+    shape = {"dtype": torch.float32, "head_size": 16, "kv_heads": 2}
+    options = {name: value for name, value in change.items() if name not in shape}
+    shape.update({name: value for name, value in change.items() if name in shape})
+    query, key, value = make_qkv(1, 2, q_len=4, **shape)
+    with pytest.raises(error, match=words):
+        triton_attention(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), **options)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's bfloat16 limitation; CUDA runs bfloat16")
+def test_interpreter_refuses_bfloat16():
+    query, key, value = make_qkv(1, 2, 2, 4, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16"):
+        triton_attention(query, key, value)
+
+
+def test_is_available():
+    assert triton_flash.is_available(DEVICE) is True
+    assert triton_flash.is_available(torch.device(DEVICE)) is True
+
+
+# CUDA: compiled kernels at the block sizes they are meant for.
+
+CUDA_CASES = {
+    "causal": (2, 8, 2, 1024, 1024, 64, True, 0),
+    "causal-q<k": (2, 8, 8, 512, 1024, 128, True, 0),
+    "noncausal-odd-length": (1, 8, 2, 1000, 1000, 128, False, 0),
+    "window-d256": (1, 4, 1, 777, 777, 256, True, 256),
+    "decode-d40": (2, 8, 2, 1, 1030, 40, True, 0),
+    "empty-rows-d96": (1, 4, 4, 300, 200, 96, True, 0),
+    "noncausal-window-q>k-d80": (1, 6, 3, 700, 333, 80, False, 100),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CUDA_CASES.values(), ids=CUDA_CASES.keys())
+def test_cuda_matches_reference(case, dtype):
+    check_against_reference(*case, dtype=dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["causal", "noncausal-odd-length", "window-d256"])
+def test_cuda_float32_uses_full_precision_products(case):
+    check_against_reference(*CUDA_CASES[case], dtype=torch.float32)
+
+
+@needs_cuda
+def test_cuda_backward_is_deterministic():
+    inputs = [x.to(DEVICE, torch.bfloat16) for x in make_qkv(2, 8, 2, 1000, 1000, 128)]
+    grad_out = torch.randn(inputs[0].shape, device=DEVICE, dtype=torch.bfloat16)
+    first = run(triton_attention, inputs, grad_out)[1]
+    for _ in range(3):
+        again = run(triton_attention, inputs, grad_out)[1]
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
