@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from octlm import records
+from octlm.attention.tiled import DEFAULT_BLOCK
 from octlm.bench import driver
 from octlm.bench.suites import SUITES, Grid, suite
 from octlm.bench.worker import FAULT_ENV, flops
@@ -64,7 +65,7 @@ def test_each_measurement_has_its_own_worker_and_a_full_record(tmp_path):
         assert row["status"] == "ok", row["reason"]
         assert row["extra_bytes"] == row["peak_bytes"] - row["baseline_bytes"]
         assert len(row["seconds"]) == 2 and row["tflops"] > 0
-    assert tiled_row["block"] == [256, 512] and math_row["block"] is None
+    assert tiled_row["block"] == list(DEFAULT_BLOCK) and math_row["block"] is None
     assert efficient["status"] == "unsupported"
     assert "efficient" in efficient["reason"] and "backend" in efficient["reason"]
     assert triton["status"] == "unsupported" and "CUDA" in triton["reason"]

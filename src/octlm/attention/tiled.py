@@ -27,11 +27,12 @@ from octlm.attention.masks import allowed, fully_visible, key_range, padding_mas
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# How far (base 2) the running maximum may rise above a row's shift before the shift follows.
-SLACK = 8.0
+# The most one block's weights may sum to (relative to the row's shift) before the shift
+# moves up to that block's maximum and the block is redone.
+CEILING = 2.0**16
 # Rows and keys per tile. Tuned on a 2-core CPU at 8,192 tokens, 8 heads of 32: smaller tiles
 # pay Python overhead per block, larger ones fall out of cache.
-DEFAULT_BLOCK = (256, 512)
+DEFAULT_BLOCK = (512, 256)
 # Query rows per block (heads of a group included) from which the shift rides in the matmul.
 FUSED_SHIFT_ROWS = 64
 
@@ -79,6 +80,7 @@ class _Blocks:
             self.block_k = self.block_k * self.block_q // max(self.q_len, 1)
         self.query, self.key = query, key
         self._buffers: dict[str, Tensor] = {}
+        self._edges: dict[tuple[int, int, int], Tensor] = {}
 
     def query_blocks(self):
         for start in range(0, self.q_len, self.block_q):
@@ -94,29 +96,60 @@ class _Blocks:
         part = tensor[:, :, rows.start : rows.stop]
         return part.view(self.batch, self.kv_heads, len(rows) * self.group, tensor.shape[-1])
 
-    def tile(self, name: str, rows: range, columns: range) -> Tensor:
-        """A reused (B*Hkv, R*G, C) buffer for one block of scores."""
-        shape = (self.batch * self.kv_heads, len(rows) * self.group, len(columns))
-        numel = shape[0] * shape[1] * shape[2]
+    def tile(self, name: str, *shape: int) -> Tensor:
+        """A reused buffer of ``shape`` (contiguous), one per ``name``."""
+        numel = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[name] = self.key.new_empty(numel)
         return buffer[:numel].view(shape)
 
-    def scores(self, q_block: Tensor, rows: range, columns: range) -> tuple[Tensor, bool]:
-        """``q_block @ key_blockᵀ`` with hidden places at -inf; True when any could be hidden."""
-        k_block = self.key[:, :, columns.start : columns.stop]  # (B, Hkv, C, D + 1)
-        scores = torch.bmm(
-            _as_3d(q_block), _as_3d(k_block).transpose(1, 2), out=self.tile("scores", rows, columns)
-        )  # (B*Hkv, R*G, C)
+    def unfold_tile(self, scores: Tensor, rows: range, columns: range, transposed: bool):
+        """A score tile as a ``(B, Hkv, R, G, C)`` view, whichever way it was computed."""
+        if transposed:
+            tile = scores.view(self.batch, self.kv_heads, len(columns), len(rows), self.group)
+            return tile.permute(0, 1, 3, 4, 2)
+        return scores.view(self.batch, self.kv_heads, len(rows), self.group, len(columns))
+
+    def _edge(self, rows: range, columns: range) -> Tensor:
+        """0 / -inf bias ``(R, C)`` of one edge block. Adding it is several times cheaper than
+        a masked fill; it depends only on the block's offset from the diagonal, so the few
+        distinct ones are built once per call."""
+        offset = self.past + rows.start - columns.start
+        key = (len(rows), len(columns), offset)
+        if key not in self._edges:
+            visible = allowed(
+                range(len(rows)), range(len(columns)), offset, self.causal, self.window,
+                self.key.device,
+            )  # fmt: skip
+            bias = torch.zeros(visible.shape, dtype=self.key.dtype, device=self.key.device)
+            self._edges[key] = bias.masked_fill_(~visible, NEG_INF)
+        return self._edges[key]
+
+    def scores(
+        self, q_block: Tensor, rows: range, columns: range, transposed: bool = False
+    ) -> tuple[Tensor, bool]:
+        """``q_block @ key_blockᵀ`` with hidden places at -inf; True when any could be hidden.
+
+        ``(B*Hkv, R*G, C)``, or ``(B*Hkv, C, R*G)`` when ``transposed``: the backward wants the
+        keys first, because a transposed first operand takes a slow matmul path on CPU.
+        """
+        k_block = _as_3d(self.key[:, :, columns.start : columns.stop])  # (B*Hkv, C, D + 1)
+        q_block = _as_3d(q_block)  # (B*Hkv, R*G, D + 1)
+        size = (self.batch * self.kv_heads, q_block.shape[1], k_block.shape[1])
+        if transposed:
+            tile = self.tile("scores_t", size[0], size[2], size[1])
+            scores = torch.bmm(k_block, q_block.transpose(1, 2), out=tile)  # (B*Hkv, C, R*G)
+        else:
+            tile = self.tile("scores", *size)
+            scores = torch.bmm(q_block, k_block.transpose(1, 2), out=tile)  # (B*Hkv, R*G, C)
         whole = fully_visible(rows, columns, self.past, self.causal, self.window)
         padded = columns.stop > self.shortest
         if whole and not padded and self.mask is None:
             return scores, False
-        tile = scores.view(self.batch, self.kv_heads, len(rows), self.group, len(columns))
+        tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
         if not whole:
-            visible = allowed(rows, columns, self.past, self.causal, self.window, scores.device)
-            tile.masked_fill_(~visible[:, None, :], NEG_INF)  # (R, 1, C) over the group
+            tile.add_(self._edge(rows, columns).unsqueeze(1))  # (R, 1, C) over the group
         if padded:
             present = padding_mask(self.key_lengths, columns)  # (B, 1, 1, C)
             tile.masked_fill_(~present.unsqueeze(1), NEG_INF)  # (B, 1, 1, 1, C)
@@ -145,7 +178,8 @@ def _fold(x: Tensor, kv_heads: int, scale: float, dtype: torch.dtype, extra: flo
     batch, heads, length, head_size = x.shape
     folded = x.view(batch, kv_heads, heads // kv_heads, length, head_size).transpose(2, 3)
     if extra is None:
-        return (folded.to(dtype) * scale).contiguous()
+        folded = folded.to(dtype)
+        return (folded if scale == 1.0 else folded * scale).contiguous()  # keys: often no copy
     out = folded.new_empty(*folded.shape[:-1], head_size + 1, dtype=dtype)
     torch.mul(folded, scale, out=out[..., :head_size])
     out[..., head_size] = extra
@@ -178,6 +212,54 @@ def _as_3d(x: Tensor) -> Tensor:
     return x.view(-1, *x.shape[-2:]) if x.dim() == 4 else x
 
 
+class _Running:
+    """The online softmax of one query block: per-row shift, running sum, unnormalised output.
+
+    All base 2 and relative to ``shift``: ``running_sum = sum exp2(score - shift)`` and ``acc =
+    sum exp2(score - shift) * value`` over the keys read so far. With ``fused`` the shift lives
+    in the query block's extra column (as ``-shift``), so the score matmul subtracts it.
+    """
+
+    def __init__(self, walk: _Blocks, q_block: Tensor, rows: range, fused: bool, head_size: int):
+        self.walk, self.q_block, self.rows, self.fused = walk, q_block, rows, fused
+        self.shift = q_block.new_zeros(walk.batch * walk.kv_heads, q_block.shape[2], 1)
+        self.running_sum = torch.zeros_like(self.shift)  # (B*Hkv, R, 1)
+        self.acc = self.shift.new_zeros(*self.shift.shape[:-1], head_size)  # (B*Hkv, R, D)
+        self.unset = True  # some rows have not seen a key yet: their shift is a placeholder
+
+    def scores(self, columns: range) -> Tensor:
+        """``(B*Hkv, R, C)`` scores of one key block minus the shift, hidden places -inf."""
+        scores, _ = self.walk.scores(self.q_block, self.rows, columns)
+        return scores if self.fused else scores.sub_(self.shift)
+
+    def rebase(self, scores: Tensor) -> None:
+        """Move each row's shift up to this block's maximum (rows seeing their first keys: to
+        it, up or down), rescaling what was summed by ``exp2(-step)``; ``scores`` follow."""
+        block_max = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1), relative
+        step = block_max.clamp(min=0.0)
+        correction = step.neg().exp2_()
+        if self.unset:  # a shift moving down could overflow exp2(-step); nothing to rescale
+            empty = self.running_sum == 0
+            first = block_max.masked_fill(block_max == NEG_INF, 0.0)
+            step = torch.where(empty, first, step)
+            correction.masked_fill_(empty, 1.0)
+        scores.sub_(step)
+        self.running_sum.mul_(correction)
+        self.acc.mul_(correction)
+        self.shift.add_(step)
+        if self.fused:
+            self.q_block[..., -1:] = -self.shift.view(*self.q_block.shape[:-1], 1)
+
+    def output(self) -> Tensor:
+        """Normalised output ``(B*Hkv, R, D)``; rows that saw no key are 0."""
+        seen = self.running_sum > 0
+        return self.acc.div_(torch.where(seen, self.running_sum, 1.0))
+
+    def lse(self) -> Tensor:
+        """Natural log-sum-exp ``(B*Hkv, R, 1)``; -inf for rows that saw no key."""
+        return (self.shift + self.running_sum.log2()) * LN2
+
+
 def attend_forward(
     query: Tensor,
     key: Tensor,
@@ -201,10 +283,12 @@ def attend_forward(
 
     Scores are kept in base 2 (``exp2`` is several times cheaper than ``exp`` on CPU). Softmax
     is invariant to a per-row shift, so the shift need not be the exact running maximum: it is
-    set from each row's first visible block and moves up only when a later block's maximum
-    exceeds it by more than ``SLACK`` (weights stay below ``2**SLACK``, far from overflow).
-    Most blocks therefore skip the rescale, and for long query blocks the shift rides in an
-    extra query column (keys get a column of ones), so the matmul itself subtracts it.
+    set to the maximum of each row's first visible block, and moves up only when a later
+    block's weights sum past ``CEILING`` (or overflow), in which case that block is redone. The
+    usual block therefore costs no maximum pass and no rescale, and for long query blocks the
+    shift rides in an extra query column (keys get a column of ones), so the matmul itself
+    subtracts it. Weights never exceed ``CEILING``, far from float32 overflow, and scaling by
+    the shift is exact whatever its value.
     """
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
@@ -223,42 +307,26 @@ def attend_forward(
     lse = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), natural log
 
     for rows in walk.query_blocks():
-        q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1]); fused: last column = -shift
-        shift = q_block.new_zeros(walk.batch * kv_heads, q_block.shape[2], 1)  # (B*Hkv, R, 1)
-        running_sum = torch.zeros_like(shift)  # sum over keys of exp2(score - shift)
-        acc = shift.new_zeros(*shift.shape[:-1], head_size)  # (B*Hkv, R, D), unnormalised
-        unset = True  # some rows have not seen a key yet, so their shift is a placeholder
+        state = _Running(walk, walk.rows(folded, rows), rows, fused, head_size)
         for columns in walk.key_blocks(rows):
-            scores, _ = walk.scores(q_block, rows, columns)  # (B*Hkv, R, C)
-            if not fused:
-                scores.sub_(shift)
-            block_max = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1), relative to shift
-            if unset or block_max.max() > SLACK:
-                # Rows seeing their first keys take that block's maximum as their shift; rows
-                # whose maximum outgrew the shift move up to it. exp2(-step) rescales the sums.
-                step = block_max.clamp(min=0.0)
-                correction = step.neg().exp2_()
-                if unset:  # a shift moving down could overflow exp2(-step); nothing to rescale
-                    empty = running_sum == 0
-                    step = torch.where(
-                        empty, block_max.masked_fill(block_max == NEG_INF, 0.0), step
-                    )
-                    correction.masked_fill_(empty, 1.0)
-                scores.sub_(step)
-                running_sum.mul_(correction)
-                acc.mul_(correction)
-                shift += step
-                if fused:
-                    q_block[..., head_size:] = -shift.view(*q_block.shape[:-1], 1)
+            scores = state.scores(columns)  # (B*Hkv, R, C), minus shift, base 2
+            if state.unset:
+                state.rebase(scores)
             weights = scores.exp2_()  # (B*Hkv, R, C), in place of the scores
-            running_sum += weights.sum(dim=-1, keepdim=True)
-            acc.baddbmm_(weights, _as_3d(value[:, :, columns.start : columns.stop]))
-            if unset:
-                unset = bool((running_sum == 0).any())
-        acc.div_(torch.where(running_sum > 0, running_sum, 1.0))
+            block_sum = weights.sum(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
+            if not bool(block_sum.max() <= CEILING):  # also catches inf
+                # A score rose far above its row's shift: redo the block with the shift moved.
+                scores = state.scores(columns)
+                state.rebase(scores)
+                weights = scores.exp2_()
+                block_sum = weights.sum(dim=-1, keepdim=True)
+            state.running_sum += block_sum
+            state.acc.baddbmm_(weights, _as_3d(value[:, :, columns.start : columns.stop]))
+            if state.unset:
+                state.unset = bool((state.running_sum == 0).any())
         shape = (walk.batch, kv_heads, len(rows), walk.group)
-        out[:, :, rows.start : rows.stop] = acc.view(*shape, head_size)
-        lse[:, :, rows.start : rows.stop] = ((shift + running_sum.log2()) * LN2).view(shape)
+        out[:, :, rows.start : rows.stop] = state.output().view(*shape, head_size)
+        lse[:, :, rows.start : rows.stop] = state.lse().view(shape)
     return _unfold(out), _unfold(lse)
 
 
@@ -301,33 +369,41 @@ def attend_backward(
     walk = _Blocks(
         folded, ones, past, causal, window, _fold_mask(mask, heads, kv_heads), block, key_lengths
     )
-    grad_query = torch.zeros_like(grad_folded)  # (B, Hkv, Q, G, D)
-    grad_key = torch.zeros_like(value)  # (B, Hkv, K, D), in units of folded queries
-    grad_value = torch.zeros_like(value)  # (B, Hkv, K, D)
+    # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
+    key_t = _as_3d(ones[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
+    value = _as_3d(value)  # (B*Hkv, K, D)
+    grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
+    grad_key = torch.zeros_like(value)  # (B*Hkv, K, D), in units of folded queries
+    grad_value = torch.zeros_like(value)  # (B*Hkv, K, D)
 
+    # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
     for rows in walk.query_blocks():
         q_block = walk.rows(folded, rows)  # (B, Hkv, R, D + 1)
         q_plain = _as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * log2(e) * q
         do_block = _as_3d(walk.rows(grad_folded, rows))  # (B*Hkv, R, D)
-        delta_block = _as_3d(walk.rows(delta, rows))  # (B*Hkv, R, 1)
-        dq_block = _as_3d(walk.rows(grad_query, rows))  # (B*Hkv, R, D)
+        delta_row = _as_3d(walk.rows(delta, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
+        dq_t = q_plain.new_zeros(q_plain.shape[0], head_size, q_plain.shape[1])  # (B*Hkv, D, R)
         for columns in walk.key_blocks(rows):
             keys = slice(columns.start, columns.stop)
-            k_block = _as_3d(ones[:, :, keys, :head_size])  # (B*Hkv, C, D)
-            v_block = _as_3d(value[:, :, keys])  # (B*Hkv, C, D)
-            scores, _ = walk.scores(q_block, rows, columns)  # (B*Hkv, R, C), minus lse
-            probs = scores.exp2_()  # (B*Hkv, R, C)
-            _as_3d(grad_value[:, :, keys]).baddbmm_(probs.transpose(1, 2), do_block)
-            grad_scores = torch.bmm(
-                do_block, v_block.transpose(1, 2), out=walk.tile("grad_scores", rows, columns)
-            )  # (B*Hkv, R, C)
-            grad_scores.sub_(delta_block).mul_(probs)
-            dq_block.baddbmm_(grad_scores, k_block)
-            _as_3d(grad_key[:, :, keys]).baddbmm_(grad_scores.transpose(1, 2), q_plain)
+            products = walk.tile("products", value.shape[0], len(columns), head_size)
+            probs_t, _ = walk.scores(q_block, rows, columns, transposed=True)  # minus lse
+            probs_t.exp2_()  # (B*Hkv, C, R)
+            grad_value[:, keys] += torch.bmm(probs_t, do_block, out=products)
+            grad_scores_t = torch.bmm(
+                value[:, keys], do_block.transpose(1, 2), out=walk.tile("grad_t", *probs_t.shape)
+            )  # (B*Hkv, C, R), d loss / d probsᵀ
+            grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
+            grad_key[:, keys] += torch.bmm(grad_scores_t, q_plain, out=products)
+            dq_t.baddbmm_(key_t[:, :, keys], grad_scores_t)
             if grad_mask is not None:
-                grad_mask[:, :, rows.start : rows.stop, :, keys] = grad_scores.view(
-                    walk.batch, kv_heads, len(rows), walk.group, len(columns)
+                grad_mask[:, :, rows.start : rows.stop, :, keys] = walk.unfold_tile(
+                    grad_scores_t, rows, columns, transposed=True
                 )
+        grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
+            walk.batch, kv_heads, len(rows), walk.group, head_size
+        )
+    kv_shape = (walk.batch, kv_heads, walk.k_len, head_size)
+    grad_key, grad_value = grad_key.view(kv_shape), grad_value.view(kv_shape)
     # grad_key was taken against scale*log2(e)*q, so ln(2) brings it back to scale*q.
     return _unfold(grad_query.mul_(scale)), grad_key.mul_(LN2), grad_value
 
