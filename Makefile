@@ -32,7 +32,7 @@ bench: $(VENV)/.installed
 report: $(VENV)/.installed
 	$(PY) -m octlm verify --quick --out $(RUNS)
 	$(PY) -m octlm bench --resume --output $(RUNS)/bench-seed-cpu.jsonl
-	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/bench-*.jsonl
+	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/*.jsonl
 
 # The reference figures README quotes: every CPU suite, about half an hour on 2 cores.
 reference: $(VENV)/.installed
@@ -41,6 +41,7 @@ reference: $(VENV)/.installed
 	$(PY) -m octlm bench --suite train --resume
 	$(PY) -m octlm bench --suite structure --resume
 	$(PY) -m octlm.bench.ring
+	$(PY) -m octlm.bench.ring --length 32768 --repeats 2
 	$(PY) -m octlm report
 
 lint: $(VENV)/.installed

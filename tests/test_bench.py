@@ -164,13 +164,14 @@ def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, 
 
 def test_suites_expand_to_the_issue_grids():
     seed = suite("seed")
-    assert len(seed) == 4 * 2 * 5
+    assert len(seed) == 4 * 2 * 5 + 4  # five backends in two dtypes, and the seed's sketch
+    assert {m.dtype for m in seed if m.backend == "sketch"} == {"float32"}
     assert {m.length for m in seed} == {1024, 2048, 4096, 8192}
     assert {(m.batch, m.heads, m.head_size, m.mode, m.causal) for m in seed} == {
         (1, 8, 32, "forward", True)
     }
     train = suite("train")
-    assert {m.backend for m in train if m.length == 16384} == {"flash", "tiled"}
+    assert {m.backend for m in train if m.length == 16384} == {"math", "flash", "tiled"}
     structure = {(m.q_len, m.length, m.window, m.padding, m.mode) for m in suite("structure")}
     assert structure == {
         (8192, 8192, 512, 0.0, "forward"), (8192, 8192, 512, 0.0, "train"),
@@ -228,3 +229,17 @@ def test_flops_follow_flash_attentions_count():
     assert flops(square) == 4 * 1 * 2 * 64 * 64 * 16 / 2
     assert flops(replace(square, mode="train")) == 3.5 * flops(square)
     assert flops(replace(square, q_len=1)) == 4 * 1 * 2 * 1 * 64 * 16
+
+
+def test_the_seed_sketch_runs_forward_only_and_matches_the_reference():
+    from octlm.attention import naive_attention
+    from octlm.bench.sketch import seed_sketch
+    from octlm.bench.worker import measure
+
+    forward, train = tiny("sketch", modes=("forward", "train"))
+    assert measure(forward)["status"] == "ok"
+    assert measure(train)["status"] == "unsupported"
+    query, key, value = torch.randn(3, 1, 2, 70, 16, dtype=torch.float64)
+    torch.testing.assert_close(
+        seed_sketch(query, key, value, block=16), naive_attention(query, key, value)
+    )

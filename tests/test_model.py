@@ -19,13 +19,7 @@ IMPLEMENTATIONS = ("naive", "sdpa", "tiled")
 SMALL = ModelConfig(vocab_size=256, width=64, n_layers=2, n_heads=8, max_length=64, block=(8, 16))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small only pay for intra-op threads in synchronisation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def same_weights(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, OctLM]:

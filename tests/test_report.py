@@ -68,3 +68,31 @@ def test_report_without_any_records(tmp_path):
     text = write_report([empty], tmp_path / "report.md").read_text()
     assert "no benchmark records" in text
     assert all(here == NOT_MEASURED or NOT_MEASURED in here for _c, _s, here in claims([]))
+
+
+def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
+    """The seed's 4.8e-7 and 1.1e-6 sit beside verify's worst figures; ring rows beside W=1."""
+    verify = tmp_path / "verify.jsonl"
+    common = {"experiment": "tiled-sdpa", "dtype": "float32", "passed": True, "base_error": 0.0}
+    checks = [
+        {**common, "check": "tiled vs sdpa output", "left": "tiled", "error": 3e-7,
+         "max_abs_diff": 6e-7},
+        {**common, "check": "tiled vs sdpa output", "left": "tiled", "error": 2e-7,
+         "max_abs_diff": 9e-7},
+        {**common, "experiment": "model-equivalence", "check": "model logits", "left": "sdpa",
+         "error": 1e-6, "max_abs_diff": 1.2e-6, "passed": False},
+    ]  # fmt: skip
+    verify.write_text("".join(json.dumps(r) + "\n" for r in checks))
+    first = json.loads(FIXTURE.read_text().splitlines()[0])
+    ring = tmp_path / "bench-ring-cpu.jsonl"
+    ring.write_text(
+        json.dumps({**first, "backend": "ring", "world_size": 4, "extra_bytes": 2**20,
+                    "peak_bytes": 300 * 2**20, "seconds_median": 0.5}) + "\n"
+    )  # fmt: skip
+    output = tmp_path / "report.md"
+    write_report([FIXTURE, verify, ring], output)
+    text = output.read_text()
+    assert "3 verification records, 1 failed" in text
+    assert "| 4.8e-7 | 9e-07 (2/2 pass) |" in text
+    assert "| 1.1e-6 | 1.2e-06 (0/1 pass) |" in text
+    assert "| 1 MiB | 300 MiB |" in text and "| 4 | 500.0 ms |" in text

@@ -27,13 +27,7 @@ FIELDS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These sizes only pay for a second intra-op thread in synchronisation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lines(folder: Path) -> list[dict]:

@@ -179,11 +179,6 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-def _not_ready(name: str) -> int:
-    print(f"octlm {name}: not built yet", file=sys.stderr)
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="octlm", description="Exact attention three ways, checked and measured."

@@ -22,6 +22,7 @@ NOT_MEASURED = "not measured"
 SEED_SHAPE = {"batch": 1, "heads": 8, "kv_heads": 8, "head_size": 32, "causal": True}
 # In the plots a backend keeps its colour and a dtype its line style.
 LINESTYLES = {"float32": "-", "bfloat16": "--", "float16": "-.", "float64": ":"}
+FLASH32, TILED32 = dict(backend="flash", dtype="float32"), dict(backend="tiled", dtype="float32")
 
 
 def load(paths: Iterable[str | os.PathLike]) -> list[dict]:
@@ -58,8 +59,12 @@ def write_report(
     lines += _machines(rows, paths)
     lines += ["## The seed's claims on this machine", ""]
     lines += _table(["Claim", "Seed (laptop CPU, Day 2)", "Here"], claims(rows))
+    lines += ["## Equivalence (`octlm verify`)", ""]
+    lines += _equivalence(paths)
     lines += ["## Structure cases (issue 8): tiled against SDPA with a dense mask", ""]
     lines += _structure(rows)
+    lines += ["## Context parallel: ring attention over W processes (`octlm.bench.ring`)", ""]
+    lines += _ring(paths)
     lines += ["## Plots", ""]
     lines += [f"![{name}]({name})" for name in plot(rows, output.parent)] or [NOT_MEASURED]
     lines += ["", "## Every measurement without window, padding or cache", ""]
@@ -186,6 +191,26 @@ def claims(rows: list[dict]) -> list[list[str]]:
             _tiled_vs_flash(forward),
         ],
         [
+            "tiled against the seed's sketch, forward float32",
+            "not timed in the seed",
+            _tiled_vs_sketch(forward),
+        ],
+        [
+            "tiled bfloat16 against tiled float32",
+            "not in the seed",
+            _tiled_bf16(forward),
+        ],
+        [
+            "training time (forward + backward): tiled against FLASH, float32",
+            "not in the seed (forward only)",
+            _train_time(train),
+        ],
+        [
+            "training at 16,384 tokens",
+            "not in the seed",
+            _train_long(train),
+        ],
+        [
             "training memory: tiled against FLASH and MATH",
             "not in the seed (forward only)",
             _train_memory(train),
@@ -215,26 +240,31 @@ def _flash_flat(rows: list[dict]) -> str:
     return text
 
 
-def _speedup(rows: list[dict]) -> str:
-    math_rows = _ok(rows, backend="math", dtype="float32")
-    flash = _ok(rows, backend="flash", dtype="float32")
-    length = _common(8192, math_rows, flash)
+def _time_ratio(rows: list[dict], top: dict, bottom: dict) -> tuple[float, int] | None:
+    """Median time of ``top`` over ``bottom`` (record filters) at 8,192 or the longest shared
+    length, and that length; None when they share none."""
+    over, under = _ok(rows, **top), _ok(rows, **bottom)
+    length = _common(8192, over, under)
     if length is None:
-        return NOT_MEASURED
-    ratio = math_rows[length]["seconds_median"] / flash[length]["seconds_median"]
-    return f"{_ratio(ratio)} at {length:,}"
+        return None
+    return over[length]["seconds_median"] / under[length]["seconds_median"], length
+
+
+def _speedup(rows: list[dict]) -> str:
+    found = _time_ratio(rows, dict(backend="math", dtype="float32"), FLASH32)
+    return NOT_MEASURED if found is None else f"{_ratio(found[0])} at {found[1]:,}"
 
 
 def _bf16(rows: list[dict]) -> str:
     parts = []
     for backend, name in (("math", "MATH"), ("flash", "FLASH")):
-        single = _ok(rows, backend=backend, dtype="float32")
-        half = _ok(rows, backend=backend, dtype="bfloat16")
-        length = _common(8192, single, half)
-        if length is None:
+        found = _time_ratio(
+            rows, dict(backend=backend, dtype="bfloat16"), dict(backend=backend, dtype="float32")
+        )
+        if found is None:
             parts.append(f"{name} {NOT_MEASURED}")
             continue
-        ratio = half[length]["seconds_median"] / single[length]["seconds_median"]
+        ratio, length = found
         verdict = "slower" if ratio > 1 else "faster"
         parts.append(f"{name}: {_ratio(ratio)} the float32 time at {length:,} ({verdict})")
     return "; ".join(parts)
@@ -264,6 +294,34 @@ def _tiled_vs_flash(rows: list[dict]) -> str:
     )
 
 
+def _tiled_vs_sketch(rows: list[dict]) -> str:
+    found = _time_ratio(rows, dict(backend="sketch", dtype="float32"), TILED32)
+    return NOT_MEASURED if found is None else f"{_ratio(found[0])} faster at {found[1]:,}"
+
+
+def _tiled_bf16(rows: list[dict]) -> str:
+    found = _time_ratio(rows, dict(backend="tiled", dtype="bfloat16"), TILED32)
+    return NOT_MEASURED if found is None else f"{_ratio(found[0])} the float32 time at {found[1]:,}"
+
+
+def _train_time(rows: list[dict]) -> str:
+    found = _time_ratio(rows, TILED32, FLASH32)
+    return NOT_MEASURED if found is None else f"{_ratio(found[0])} FLASH's time at {found[1]:,}"
+
+
+def _train_long(rows: list[dict]) -> str:
+    parts = []
+    for backend in ("tiled", "flash", "math"):
+        found = [r for r in rows if r["backend"] == backend and r["length"] == 16384]
+        if not found:
+            parts.append(f"{backend} {NOT_MEASURED}")
+        elif found[0]["status"] == "ok":
+            parts.append(f"{backend} {_seconds(found[0]['seconds_median'])}, {_mib(found[0])}")
+        else:
+            parts.append(f"{backend} {found[0]['status']} ({found[0].get('reason')})")
+    return "; ".join(parts)
+
+
 def _train_memory(rows: list[dict]) -> str:
     tiled = _ok(rows, backend="tiled", dtype="float32")
     parts = []
@@ -279,6 +337,77 @@ def _train_memory(rows: list[dict]) -> str:
             f"({_ratio(t['extra_bytes'] / max(o['extra_bytes'], 1))}) at {length:,}"
         )
     return "; ".join(parts)
+
+
+# ---- equivalence and ring ----------------------------------------------------------------
+
+
+def _equivalence(paths: list[Path]) -> list[str]:
+    """The seed's two equivalence figures beside this machine's, from verification records."""
+    checks = [r for p in paths for r in records.read(p) if "check" in r and "error" in r]
+    if not checks:
+        return [NOT_MEASURED, ""]
+
+    def worst(field: str, **want) -> str:
+        found = [r for r in checks if all(r.get(k) == v for k, v in want.items())]
+        if not found:
+            return NOT_MEASURED
+        passed = sum(r["passed"] for r in found)
+        return f"{max(r[field] for r in found):.2g} ({passed}/{len(found)} pass)"
+
+    body = [
+        [
+            "tiled vs SDPA, float32, lengths 128-1,024, blocks 64-256",
+            "4.8e-7",
+            worst("max_abs_diff", experiment="tiled-sdpa", left="tiled", dtype="float32"),
+        ],
+        [
+            "tiled vs float64 reference (same cases)",
+            "not in the seed",
+            worst("error", experiment="tiled-sdpa", left="tiled", dtype="float32"),
+        ],
+        [
+            "SDPA vs float64 reference (same lengths)",
+            "not in the seed",
+            worst("error", experiment="tiled-sdpa", left="sdpa", dtype="float32"),
+        ],
+        [
+            "whole model, SDPA vs naive logits, 8/4/2/1 KV heads",
+            "1.1e-6",
+            worst("max_abs_diff", check="model logits", left="sdpa", dtype="float32"),
+        ],
+        [
+            "whole model, tiled vs naive logits, 8/4/2/1 KV heads",
+            "not in the seed",
+            worst("max_abs_diff", check="model logits", left="tiled", dtype="float32"),
+        ],
+    ]
+    failed = sum(not r["passed"] for r in checks)
+    return [
+        f"{len(checks)} verification records, {failed} failed. Figures are the worst case; "
+        "the pass count applies DESIGN §4 (error against float64 within twice naive's).",
+        "",
+        *_table(["Check", "Seed", "Here"], body),
+    ]
+
+
+def _ring(paths: list[Path]) -> list[str]:
+    """Time and memory of ring attention against one process, for the rank that peaked
+    highest: extra over its baseline, and the peak itself (the baseline holds the rank's shard
+    of query, key and value, which is what shrinks as processes are added)."""
+    found = [r for p in paths for r in records.read(p) if "world_size" in r and "status" in r]
+    if not found:
+        return [NOT_MEASURED, ""]
+    body = []
+    for r in sorted(found, key=lambda r: (r["mode"], r["length"], r["world_size"])):
+        if r["status"] != "ok":
+            body.append([r["mode"], f"{r['length']:,}", str(r["world_size"]), r["status"], "", ""])
+            continue
+        peak = f"{r['peak_bytes'] / MiB:,.0f} MiB"
+        row = [r["mode"], f"{r['length']:,}", str(r["world_size"]), _seconds(r["seconds_median"])]
+        body.append([*row, _mib(r), peak])
+    header = ["Mode", "Length", "Processes", "Time", "Extra memory", "Peak (its shard included)"]
+    return [*_table(header, body)]
 
 
 # ---- structure cases --------------------------------------------------------------------

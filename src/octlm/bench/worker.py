@@ -95,6 +95,13 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
                 return sdpa_attention(query, key, value, key_lengths=key_lengths, **options)
 
         return call
+    if m.backend == "sketch":
+        plain = m.causal and not m.window and not m.padding and m.q_len == m.length
+        if not plain or m.mode != "forward" or m.kv_heads != m.heads:
+            raise Unsupported("the seed's sketch is square causal MHA, forward only")
+        from octlm.bench.sketch import seed_sketch
+
+        return lambda: seed_sketch(query, key, value)
     if m.backend == "triton":
         if query.device.type != "cuda":
             raise Unsupported(f"triton runs on CUDA only, not on {query.device.type}")
@@ -107,7 +114,7 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
         if not triton_flash.is_available(query.device):
             raise Unsupported("triton is not installed (pip install 'octlm[triton]')")
         return lambda: triton_flash.triton_attention(query, key, value, **options)
-    raise ValueError(f"backend must be one of {[*SDPA, 'naive', 'tiled', 'triton']}")
+    raise ValueError(f"backend must be one of {[*SDPA, 'naive', 'tiled', 'sketch', 'triton']}")
 
 
 def measure(measurement: Measurement, experiment: str = "bench") -> dict:
