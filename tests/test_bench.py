@@ -243,3 +243,29 @@ def test_the_seed_sketch_runs_forward_only_and_matches_the_reference():
     torch.testing.assert_close(
         seed_sketch(query, key, value, block=16), naive_attention(query, key, value)
     )
+
+
+def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
+    """The CUDA path's logic, on a machine without one: torch.cuda stands in, and the probes
+    must reset the peak before the call, read max_memory_allocated after, never RSS, and the
+    timer must synchronise on both sides of the step."""
+    from octlm.bench import memory
+    from octlm.bench.worker import _timed
+
+    calls = []
+    fake = {
+        "synchronize": lambda device=None: calls.append("sync"),
+        "reset_peak_memory_stats": lambda device=None: calls.append("reset"),
+        "memory_allocated": lambda device=None: 100,
+        "max_memory_allocated": lambda device=None: 350,
+        "mem_get_info": lambda device=None: (7 * 2**30, 8 * 2**30),
+    }
+    for name, function in fake.items():
+        monkeypatch.setattr(torch.cuda, name, function)
+    assert memory.metric("cuda") == "cuda_max_allocated" and memory.metric("cpu") == "ru_maxrss"
+    assert memory.baseline("cuda") == 100 and calls == ["sync", "reset"]
+    assert memory.peak("cuda") == 350
+    assert memory.available("cuda") == 7 * 2**30
+    calls.clear()
+    _timed(lambda: calls.append("step"), torch.device("cuda"))
+    assert calls == ["sync", "step", "sync"]

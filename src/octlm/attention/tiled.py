@@ -1,8 +1,9 @@
 """FlashAttention's blocking in plain PyTorch: online softmax forward, recomputing backward.
 
 The seed's sketch, grown up. Queries and keys are both cut into blocks; for each query block
-the running maximum, running sum and unnormalised output are carried across key blocks, and the
-output is normalised once at the end. Key blocks that the causal/window rules hide from a whole
+a per-row shift (the seed's running maximum, see :func:`attend_forward`), the running sum and
+the unnormalised output are carried across key blocks, and the output is normalised once at
+the end. Key blocks that the causal/window rules hide from a whole
 query block are never visited; blocks they show whole get no mask arithmetic; only the edge
 blocks build an element mask, for that block alone. No ``q_len x k_len`` tensor is ever made.
 
@@ -57,8 +58,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class _Blocks:
     """The block walk shared by forward and backward, over inputs in the folded layout.
 
-    ``query`` (B, Hkv, Q, G, D + 1) and ``key`` (B, Hkv, K, D + 1) carry one extra column each
-    (see :func:`_fold`); ``mask`` is as :func:`_fold_mask` returns. ``past`` places query row
+    ``query`` (B, Hkv, Q, G, D [+ 1]) and ``key`` (B, Hkv, K, D [+ 1]) may carry one extra column
+    each (see :func:`_fold`); ``mask`` is as :func:`_fold_mask` returns. ``past`` places query row
     ``i`` at key position ``past + i``. Score tiles are written into one reused buffer: a fresh
     multi-MiB tensor per block costs page faults comparable to the matmul itself.
     """
@@ -78,7 +79,7 @@ class _Blocks:
         # loop, sets the cost; the tile stays at most block_q x block_k per group.
         if self.q_len < self.block_q:
             self.block_k = self.block_k * self.block_q // max(self.q_len, 1)
-        self.query, self.key = query, key
+        self.key = key
         self._buffers: dict[str, Tensor] = {}
         self._edges: dict[tuple[int, int, int], Tensor] = {}
 
@@ -128,8 +129,8 @@ class _Blocks:
 
     def scores(
         self, q_block: Tensor, rows: range, columns: range, transposed: bool = False
-    ) -> tuple[Tensor, bool]:
-        """``q_block @ key_blockᵀ`` with hidden places at -inf; True when any could be hidden.
+    ) -> Tensor:
+        """``q_block @ key_blockᵀ`` with hidden places at -inf.
 
         ``(B*Hkv, R*G, C)``, or ``(B*Hkv, C, R*G)`` when ``transposed``: the backward wants the
         keys first, because a transposed first operand takes a slow matmul path on CPU.
@@ -146,7 +147,7 @@ class _Blocks:
         whole = fully_visible(rows, columns, self.past, self.causal, self.window)
         padded = columns.stop > self.shortest
         if whole and not padded and self.mask is None:
-            return scores, False
+            return scores
         tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
         if not whole:
             tile.add_(self._edge(rows, columns).unsqueeze(1))  # (R, 1, C) over the group
@@ -165,7 +166,7 @@ class _Blocks:
                 tile.masked_fill_(~part, NEG_INF)
             else:
                 tile.add_(part.to(tile.dtype), alpha=LOG2E)  # the mask is in natural units
-        return scores, True
+        return scores
 
 
 def _fold(x: Tensor, kv_heads: int, scale: float, dtype: torch.dtype, extra: float | None):
@@ -229,7 +230,7 @@ class _Running:
 
     def scores(self, columns: range) -> Tensor:
         """``(B*Hkv, R, C)`` scores of one key block minus the shift, hidden places -inf."""
-        scores, _ = self.walk.scores(self.q_block, self.rows, columns)
+        scores = self.walk.scores(self.q_block, self.rows, columns)
         return scores if self.fused else scores.sub_(self.shift)
 
     def rebase(self, scores: Tensor) -> None:
@@ -386,7 +387,7 @@ def attend_backward(
         for columns in walk.key_blocks(rows):
             keys = slice(columns.start, columns.stop)
             products = walk.tile("products", value.shape[0], len(columns), head_size)
-            probs_t, _ = walk.scores(q_block, rows, columns, transposed=True)  # minus lse
+            probs_t = walk.scores(q_block, rows, columns, transposed=True)  # minus lse
             probs_t.exp2_()  # (B*Hkv, C, R)
             grad_value[:, keys] += torch.bmm(probs_t, do_block, out=products)
             grad_scores_t = torch.bmm(
