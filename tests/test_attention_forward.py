@@ -146,3 +146,12 @@ def test_extreme_scores_do_not_overflow_the_running_sum(block):
     golden = reference(query, key, value, mask=bias)
     tested = tiled_attention(query, key, value, block, mask=bias)
     assert_judged(tested, naive_attention(query, key, value, mask=bias), golden)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_rows_that_see_no_key_get_zero_gradient(name):
+    query, key, value = make_qkv(q_len=30, k_len=20, requires_grad=True)  # rows 0..9: no key
+    IMPLEMENTATIONS[name](query, key, value).sum().backward()
+    for grad in (query.grad, key.grad, value.grad):
+        assert not grad.isnan().any()
+    assert query.grad[:, :, :10].abs().max() == 0 and query.grad[:, :, 10:].abs().max() > 0
