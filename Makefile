@@ -14,7 +14,7 @@ RUNS ?= runs/local
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e ".[dev,triton]"
 	touch $@
 
@@ -34,7 +34,7 @@ report: $(VENV)/.installed
 	$(PY) -m octlm bench --resume --output $(RUNS)/bench-seed-cpu.jsonl
 	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/*.jsonl
 
-# The reference figures README quotes: every CPU suite, about half an hour on 2 cores.
+# The reference figures README quotes: every CPU suite, about 25 minutes on 2 cores.
 reference: $(VENV)/.installed
 	$(PY) -m octlm verify --out runs
 	$(PY) -m octlm bench --suite seed --resume

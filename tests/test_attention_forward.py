@@ -101,6 +101,13 @@ def test_float_mask_is_added_to_scores(name, shape):
 
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_float_mask_of_another_dtype_is_accepted(name):
+    query, key, value = make_qkv(q_len=20, dtype=torch.bfloat16)
+    bias = torch.randn(20, 20, dtype=torch.float64)
+    check(name, query, key, value, mask=bias, causal=False)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_rows_that_see_no_key_are_zero(name):
     query, key, value = make_qkv(q_len=30, k_len=20)  # causal: rows 0..9 see no key
     mask = torch.ones(30, 20, dtype=torch.bool)

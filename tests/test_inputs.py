@@ -66,6 +66,13 @@ CASES = [
         r"key_lengths must lie in \[0, k_len=8\]",
     ),
     (
+        "key_lengths complex",
+        lambda *t: t,
+        {"key_lengths": torch.tensor([8, 2]) + 0j},
+        TypeError,
+        "integer tensor",
+    ),
+    (
         "key_lengths dtype",
         lambda *t: t,
         {"key_lengths": torch.tensor([8.0, 2.0])},
@@ -83,10 +90,11 @@ def test_bad_input_raises_a_clear_error(attention, name, change, options, error,
         attention(*change(*qkv()), **options)
 
 
+@pytest.mark.parametrize("kernel", ["pytorch", "triton"])
 @pytest.mark.parametrize("block", [0, -3, (16,), (16, 0), 2.5, True, "64"])
-def test_bad_block_is_rejected(block):
+def test_bad_block_is_rejected_on_every_path(block, kernel):
     with pytest.raises(ValueError, match="block must be"):
-        tiled_attention(*qkv(), block)
+        tiled_attention(*qkv(), block, kernel=kernel)
 
 
 def test_tiled_refuses_dropout_rather_than_ignoring_it():

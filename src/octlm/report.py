@@ -1,9 +1,9 @@
 """``octlm report``: the seed's claims beside this machine's figures, tables and plots.
 
-Every number in the report is computed from benchmark records (DESIGN §5); none is typed in,
-and what the records lack reads "not measured". Times are medians over the repeats; memory is
-``extra_bytes``, the peak minus the baseline just before the call (interpreter, torch and the
-inputs are in the baseline).
+Every number in the report is computed from records (DESIGN §5: benchmark, ring and
+verification records); none is typed in, and what the records lack reads "not measured".
+Times are medians over the repeats; memory is ``extra_bytes``, the peak minus the baseline
+just before the call (interpreter, torch and the inputs are in the baseline).
 """
 
 from __future__ import annotations
@@ -147,7 +147,10 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
 
 def _machines(rows: list[dict], paths: list[Path]) -> list[str]:
     names = ", ".join(f"`{p}`" for p in paths) or "no files"
-    lines = [f"From {len(rows)} benchmark records in {names}.", ""]
+    lines = [
+        f"{len(rows)} benchmark measurements (ring and verification records apart) from {names}.",
+        "",
+    ]
     machines = sorted(
         {(r.get("device"), r.get("host_cpu"), r.get("threads"), r.get("torch")) for r in rows},
         key=str,

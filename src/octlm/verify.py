@@ -194,7 +194,7 @@ def _inputs(case: Case, dtype: torch.dtype, device: str, seed: int = 0) -> list[
 
 def _attend(name: str, query: Tensor, key: Tensor, value: Tensor, case: Case) -> Tensor:
     if name == "tiled":
-        return tiled_attention(query, key, value, case.block, **case.options())
+        return tiled_attention(query, key, value, case.block, **case.options(), kernel="pytorch")
     return ATTENTION[name](query, key, value, **case.options())
 
 
@@ -588,14 +588,15 @@ def run(
 
 def summary(found: Sequence[dict]) -> str:
     """A compact table: per experiment, check, left side and dtype, the worst error (largest
-    against its tolerance), that tolerance, the largest pairwise difference, and the verdict."""
+    against its tolerance) beside the plain method's error and the tolerance they give, the
+    largest pairwise difference, and the verdict."""
     groups: dict[tuple[str, str, str, str], list[dict]] = {}
     for record in found:
         key = (record["experiment"], record["check"], record["left"], record["dtype"])
         groups.setdefault(key, []).append(record)
     rows = [
-        ("experiment", "check", "left", "dtype", "n", "worst error", "tolerance", "max diff",
-         "result"),
+        ("experiment", "check", "left", "dtype", "n", "worst error", "naive's error", "tolerance",
+         "max diff", "result"),
     ]  # fmt: skip
     for (experiment, check, left, dtype), group in groups.items():
         worst = max(
@@ -609,6 +610,7 @@ def summary(found: Sequence[dict]) -> str:
             dtype,
             str(len(group)),
             f"{worst['error']:.3g}",
+            f"{worst['base_error']:.3g}",
             f"{worst['tolerance']:.3g}",
             f"{max(r['max_abs_diff'] for r in group):.3g}",
             f"FAIL ({failed})" if failed else "pass",

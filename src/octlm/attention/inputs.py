@@ -131,7 +131,11 @@ def _check_key_lengths(key_lengths: Tensor, query: Tensor, batch: int, k_len: in
         raise TypeError(
             f"key_lengths must be a torch.Tensor or None, got {type(key_lengths).__name__}"
         )
-    if key_lengths.dtype.is_floating_point or key_lengths.dtype in (torch.bool, torch.complex64):
+    if (
+        key_lengths.is_floating_point()
+        or key_lengths.is_complex()
+        or key_lengths.dtype == torch.bool
+    ):
         raise TypeError(f"key_lengths must be an integer tensor, got {key_lengths.dtype}")
     if key_lengths.shape != (batch,):
         raise ValueError(

@@ -41,7 +41,7 @@ def naive_attention(
     if hidden is not None and hidden.dtype == torch.bool:
         scores = scores.masked_fill(~hidden, float("-inf"))
     elif hidden is not None:
-        scores = scores + hidden
+        scores = scores + hidden.to(scores.dtype)
     # A row that sees no key would be a softmax of all -inf (NaN); DESIGN §2 makes it zero,
     # with zero gradient, so give those rows finite scores and zero their weights.
     seen = scores.amax(dim=-1, keepdim=True) > float("-inf")  # (B, H, Q, 1)

@@ -7,8 +7,9 @@ the end. Key blocks that the causal/window rules hide from a whole
 query block are never visited; blocks they show whole get no mask arithmetic; only the edge
 blocks build an element mask, for that block alone. No ``q_len x k_len`` tensor is ever made.
 
-The backward (FlashAttention-2) saves only query, key, value, output and the log-sum-exp, and
-recomputes each block's probabilities as ``exp(scores - lse)``.
+The backward (FlashAttention-2) saves only query, key, value, output and the log-sum-exp (and
+the caller's own mask or key lengths, if any), and recomputes each block's probabilities as
+``exp(scores - lse)``.
 
 Layout inside: the query heads that share one key/value head are folded into the rows of a
 block, ``(B, Hkv, Q, G, D) -> (B, Hkv, Q*G, D)``, so GQA costs one matmul per block with no copy
@@ -494,15 +495,17 @@ def tiled_attention(
             Blocks past the longest length are skipped whole.
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
-        kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`) for
-            CUDA tensors when Triton is installed and no ``mask``/``key_lengths`` is given,
-            and the plain-PyTorch blocks otherwise; ``"pytorch"`` or ``"triton"`` force one.
+        kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
+            picks its own tiles) for CUDA tensors when Triton is installed, no ``mask`` or
+            ``key_lengths`` is given, the dtype is not float64 and ``head_size <= 256``; the
+            plain-PyTorch blocks otherwise. ``"pytorch"`` or ``"triton"`` force one.
 
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    block = parse_block(block)  # checked on every path, used by the PyTorch one
     if kernel == "triton" or (kernel == "auto" and _triton_fits(query, mask, key_lengths)):
         from octlm.attention.triton_flash import triton_attention
 
@@ -514,9 +517,7 @@ def tiled_attention(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, dropout_supported=False, key_lengths=key_lengths,
     )  # fmt: skip
-    options = dict(
-        past=shape.past, causal=causal, window=window, scale=shape.scale, block=parse_block(block)
-    )
+    options = dict(past=shape.past, causal=causal, window=window, scale=shape.scale, block=block)
     out, lse = _TiledAttention.apply(query, key, value, mask, key_lengths, options)
     return (out, lse) if return_lse else out
 

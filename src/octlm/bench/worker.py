@@ -87,7 +87,9 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
         return lambda: naive_attention(query, key, value, key_lengths=key_lengths, **options)
     if m.backend == "tiled":
         block = tuple(m.block)
-        return lambda: tiled_attention(query, key, value, block, key_lengths=key_lengths, **options)
+        return lambda: tiled_attention(
+            query, key, value, block, key_lengths=key_lengths, kernel="pytorch", **options
+        )  # the Triton kernel is its own backend
     if m.backend in SDPA:
 
         def call():
