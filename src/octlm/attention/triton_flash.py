@@ -93,6 +93,16 @@ def _row_stats(LSE, DELTA, offset, rows, row_ok):
 
 
 @_jit
+def _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok):
+    """Key and value rows ``cols`` of one head, ``(N, D)`` each (zeros past ``k_len`` and in
+    the head-size padding), and where they are real."""
+    kv_ok = (cols < k_len)[:, None] & dim_ok[None, :]  # (N, D)
+    k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], mask=kv_ok, other=0.0)
+    return k, v, kv_ok
+
+
+@_jit
 def _forward_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_ql,
@@ -127,9 +137,7 @@ def _forward_kernel(
     lo, hi = _key_range(start_m, past, k_len, window, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)  # (N,) keys
-        kv_ok = (cols < k_len)[:, None] & dim_ok[None, :]  # (N, D)
-        k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], mask=kv_ok, other=0.0)
+        k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
         visible = _visible(past + rows[:, None], cols[None, :], k_len, window, CAUSAL)
         scores = tl.where(visible, scores, float("-inf"))
@@ -176,11 +184,9 @@ def _key_value_grad_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)  # (N,) keys
     dims = tl.arange(0, HEAD_BLOCK)  # (D,)
     dim_ok = dims < HEAD_SIZE
-    kv_ok = (cols < k_len)[:, None] & dim_ok[None, :]  # (N, D)
     k_base = K + batch * stride_kb + kv_head * stride_kh
     v_base = V + batch * stride_vb + kv_head * stride_vh
-    k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], mask=kv_ok, other=0.0)
+    k, v, kv_ok = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
     qk_scale = scale * 1.4426950408889634
     grad_key = tl.zeros([BLOCK_N, HEAD_BLOCK], tl.float32)  # (N, D), per unit of scores
     grad_value = tl.zeros([BLOCK_N, HEAD_BLOCK], tl.float32)  # (N, D)
@@ -251,9 +257,7 @@ def _query_grad_kernel(
     lo, hi = _key_range(start_m, past, k_len, window, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)  # (N,)
-        kv_ok = (cols < k_len)[:, None] & dim_ok[None, :]  # (N, D)
-        k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], mask=kv_ok, other=0.0)
+        k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
         visible = _visible(past + rows[:, None], cols[None, :], k_len, window, CAUSAL)
         probs = tl.exp2(tl.where(visible, scores, float("-inf")) - lse[:, None])  # (M, N)
