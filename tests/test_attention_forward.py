@@ -15,7 +15,7 @@ from tests.conftest import assert_judged, make_qkv, reference
 IMPLEMENTATIONS = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,
-    "tiled": lambda *args, block=(64, 32), **kw: tiled_attention(*args, block, **kw),
+    "tiled": lambda *args, block=(64, 32), **kw: tiled_attention(*args, block=block, **kw),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
@@ -53,7 +53,7 @@ def test_matches_reference_when_q_len_differs(name, causal, q_len, k_len):
 def test_tiled_matches_reference_for_any_block(block, dtype):
     length = 40 if block == 1 else 300
     query, key, value = make_qkv(q_len=length, dtype=dtype)
-    tested = tiled_attention(query, key, value, block)
+    tested = tiled_attention(query, key, value, block=block)
     assert_judged(tested, naive_attention(query, key, value), reference(query, key, value))
 
 
@@ -123,7 +123,7 @@ def test_rows_that_see_no_key_are_zero(name):
 
 def test_tiled_lse_is_fp32_and_minus_inf_for_empty_rows():
     query, key, value = make_qkv(q_len=30, k_len=20, dtype=torch.bfloat16)
-    _, lse = tiled_attention(query, key, value, 8, return_lse=True)
+    _, lse = tiled_attention(query, key, value, block=8, return_lse=True)
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, 30)
     assert lse[:, :, :10].eq(float("-inf")).all() and lse[:, :, 10:].isfinite().all()
     group = torch.arange(4) // 2
@@ -147,11 +147,11 @@ def test_extreme_scores_do_not_overflow_the_running_sum(block):
     for dtype in (torch.float32, torch.float64):
         q, k, v = (x.to(dtype) for x in (query * 40, key, value))
         golden, base = reference(q, k, v), naive_attention(q, k, v)
-        assert_judged(tiled_attention(q, k, v, block), base, golden)
+        assert_judged(tiled_attention(q, k, v, block=block), base, golden)
     bias = torch.zeros(300, 300)
     bias[:, :150] = -1e4  # rows before 150 see only heavily penalised keys
     golden = reference(query, key, value, mask=bias)
-    tested = tiled_attention(query, key, value, block, mask=bias)
+    tested = tiled_attention(query, key, value, block=block, mask=bias)
     assert_judged(tested, naive_attention(query, key, value, mask=bias), golden)
 
 

@@ -27,7 +27,7 @@ def test_block_size_changes_output_only_by_rounding(
     query, key, value = make_qkv(
         batch=1, heads=4, kv_heads=kv_heads, q_len=q_len, k_len=q_len + extra_keys, head_size=16
     )
-    one = tiled_attention(query, key, value, first, causal=causal, window=window)
-    other = tiled_attention(query, key, value, second, causal=causal, window=window)
+    one = tiled_attention(query, key, value, block=first, causal=causal, window=window)
+    other = tiled_attention(query, key, value, block=second, causal=causal, window=window)
     # Values are convex combinations of unit-normal values: a few float32 ulps of 1.
     assert (one - other).abs().max() <= 2e-6

@@ -94,7 +94,7 @@ def test_bad_input_raises_a_clear_error(attention, name, change, options, error,
 @pytest.mark.parametrize("block", [0, -3, (16,), (16, 0), 2.5, True, "64"])
 def test_bad_block_is_rejected_on_every_path(block, kernel):
     with pytest.raises(ValueError, match="block must be"):
-        tiled_attention(*qkv(), block, kernel=kernel)
+        tiled_attention(*qkv(), block=block, kernel=kernel)
 
 
 def test_tiled_refuses_dropout_rather_than_ignoring_it():

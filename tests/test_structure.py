@@ -36,9 +36,9 @@ def dense(q_len, k_len, causal, window, key_lengths=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_structural_path_equals_dense_mask_path(q_len, k_len, window, block, dtype):
     query, key, value = make_qkv(q_len=q_len, k_len=k_len, dtype=dtype)
-    structural = tiled_attention(query, key, value, block, window=window)
+    structural = tiled_attention(query, key, value, block=block, window=window)
     mask = dense(q_len, k_len, True, window)
-    masked = tiled_attention(query, key, value, block, causal=False, mask=mask)
+    masked = tiled_attention(query, key, value, block=block, causal=False, mask=mask)
     golden = reference(query, key, value, window=window)
     base = naive_attention(query, key, value, window=window)
     assert_judged(structural, base, golden)
@@ -50,9 +50,9 @@ def test_structural_path_equals_dense_mask_path(q_len, k_len, window, block, dty
 def test_padding_by_lengths_equals_dense_mask(lengths):
     key_lengths = torch.tensor(lengths)
     query, key, value = make_qkv(q_len=300, k_len=300)
-    by_lengths = tiled_attention(query, key, value, (64, 64), key_lengths=key_lengths)
+    by_lengths = tiled_attention(query, key, value, block=(64, 64), key_lengths=key_lengths)
     mask = dense(300, 300, True, 0, key_lengths)
-    by_mask = tiled_attention(query, key, value, (64, 64), causal=False, mask=mask)
+    by_mask = tiled_attention(query, key, value, block=(64, 64), causal=False, mask=mask)
     assert (by_lengths - by_mask).abs().max() <= 1e-6
     golden = reference(query, key, value, key_lengths=key_lengths)
     assert_judged(by_lengths, naive_attention(query, key, value, key_lengths=key_lengths), golden)
@@ -71,9 +71,11 @@ def test_padded_and_hidden_blocks_are_never_computed(monkeypatch):
 
     monkeypatch.setattr(tiled._Blocks, "scores", counting)
     query, key, value = make_qkv(batch=1, q_len=512, k_len=512)
-    tiled_attention(query, key, value, (64, 64), window=64)
+    tiled_attention(query, key, value, block=(64, 64), window=64)
     # Each 64-row block sees its own keys and the 63 before: at most 2 key blocks.
     assert len(visited) <= 2 * 8 and all(c.stop - c.start <= 64 for _, c in visited)
     visited.clear()
-    tiled_attention(query, key, value, (64, 64), key_lengths=torch.tensor([128]), causal=False)
+    tiled_attention(
+        query, key, value, block=(64, 64), key_lengths=torch.tensor([128]), causal=False
+    )
     assert all(c.stop <= 128 for _, c in visited) and len(visited) == 8 * 2

@@ -23,7 +23,7 @@ def gradients(function, inputs, grad_out, **options):
 
 def check_gradients(query, key, value, block=(32, 16), **options):
     grad_out = torch.randn(query.shape, dtype=torch.float64)
-    tested = gradients(lambda *a, **o: tiled_attention(*a, block, **o), (query, key, value),
+    tested = gradients(lambda *a, **o: tiled_attention(*a, block=block, **o), (query, key, value),
                        grad_out, **options)  # fmt: skip
     base = gradients(naive_attention, (query, key, value), grad_out, **options)
     golden = gradients(reference, [x.double() for x in (query, key, value)], grad_out, **options)
@@ -45,9 +45,9 @@ def test_non_causal_backward_sees_every_key():
     asked for full attention; here the keys after each query must get their gradient too."""
     query, key, value = make_qkv(q_len=64, dtype=torch.float64)
     check_gradients(query, key, value, causal=False)
-    grads = gradients(lambda *a, **o: tiled_attention(*a, 16, **o), (query, key, value),
+    grads = gradients(lambda *a, **o: tiled_attention(*a, block=16, **o), (query, key, value),
                       torch.ones(query.shape, dtype=torch.float64), causal=False)  # fmt: skip
-    causal = gradients(lambda *a, **o: tiled_attention(*a, 16, **o), (query, key, value),
+    causal = gradients(lambda *a, **o: tiled_attention(*a, block=16, **o), (query, key, value),
                        torch.ones(query.shape, dtype=torch.float64), causal=True)  # fmt: skip
     assert (grads[1][:, :, -1] - causal[1][:, :, -1]).abs().max() > 1e-3
 
@@ -64,7 +64,7 @@ def test_window_of_one_passes_gradient_straight_to_value():
     here, so the relative rule of DESIGN §4 has no error to scale by; the bound is absolute."""
     query, key, value = make_qkv(q_len=50, requires_grad=True)
     grad_out = torch.randn(query.shape)
-    tiled_attention(query, key, value, (16, 8), window=1).backward(grad_out)
+    tiled_attention(query, key, value, block=(16, 8), window=1).backward(grad_out)
     group_sum = grad_out.view(2, 2, 2, 50, 32).sum(2)  # query heads 2h, 2h+1 read kv head h
     torch.testing.assert_close(value.grad, group_sum, atol=1e-5, rtol=1e-5)
     assert query.grad.abs().max() < 1e-5 and key.grad.abs().max() < 1e-5
@@ -90,7 +90,7 @@ def test_gradients_with_masks_and_padding():
 
 def test_rows_that_see_no_key_get_zero_gradient():
     query, key, value = make_qkv(q_len=30, k_len=20, dtype=torch.float32, requires_grad=True)
-    out = tiled_attention(query, key, value, 8)  # causal: rows 0..9 see nothing
+    out = tiled_attention(query, key, value, block=8)  # causal: rows 0..9 see nothing
     out.sum().backward()
     assert not query.grad.isnan().any() and query.grad[:, :, :10].abs().max() == 0
     assert not key.grad.isnan().any() and not value.grad.isnan().any()
@@ -102,7 +102,7 @@ def test_gradcheck_float64(causal):
                                  dtype=torch.float64, requires_grad=True)  # fmt: skip
 
     def attend(q, k, v):
-        return tiled_attention(q, k, v, (4, 3), causal=causal, window=7)
+        return tiled_attention(q, k, v, block=(4, 3), causal=causal, window=7)
 
     assert torch.autograd.gradcheck(attend, (query, key, value))
 
@@ -112,7 +112,8 @@ def test_float_mask_receives_its_gradient():
                                  dtype=torch.float64)  # fmt: skip
     bias = torch.randn(2, 1, 8, dtype=torch.float64, requires_grad=True)  # (H, 1, K) broadcast
     assert torch.autograd.gradcheck(
-        lambda q, m: tiled_attention(q, key, value, (4, 3), mask=m), (query.requires_grad_(), bias)
+        lambda q, m: tiled_attention(q, key, value, block=(4, 3), mask=m),
+        (query.requires_grad_(), bias),
     )
 
 

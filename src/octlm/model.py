@@ -19,11 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from octlm.attention import naive_attention, sdpa_attention, tiled_attention
+from octlm.attention import IMPLEMENTATIONS, implementation
 from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block
-
-ATTENTIONS = ("naive", "sdpa", "tiled", "ring")
-WITH_DROPOUT = ("naive", "sdpa")
 
 
 def is_int_at_least(value, minimum: int) -> bool:
@@ -73,8 +70,7 @@ class ModelConfig:
                 f"head size width // n_heads = {self.head_size} must be even for rotary "
                 f"embeddings; change width ({self.width}) or n_heads ({self.n_heads})"
             )
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        implementation(self.attention)  # a ValueError names the choices
         parse_block(self.block)
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
@@ -82,9 +78,10 @@ class ModelConfig:
             raise ValueError(f"window must be an int >= 0 (0 = no window), got {self.window!r}")
         if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dropout > 0 and self.attention not in WITH_DROPOUT:
+        if self.dropout > 0 and not IMPLEMENTATIONS[self.attention].dropout:
+            with_dropout = tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.dropout)
             raise ValueError(
-                f"dropout={self.dropout} needs attention in {WITH_DROPOUT}; "
+                f"dropout={self.dropout} needs attention in {with_dropout}; "
                 f"{self.attention!r} has no attention dropout"
             )
         if not isinstance(self.rope_base, int | float) or not self.rope_base > 0:
@@ -168,22 +165,16 @@ class Attention(nn.Module):
         query, key, value = self._project(x, rope)  # (B, H, T, D), (B, Hkv, T, D) x 2
         if cache is not None:
             key, value = cache.update(self.layer, key, value)  # (B, Hkv, K, D) x 2
-        structure = self._mask_for()
-        dropout_p = self.dropout.p if self.training else 0.0
-        name = self.config.attention
-        if name == "naive":
-            attended = naive_attention(query, key, value, **structure, dropout_p=dropout_p)
-        elif name == "sdpa":
-            attended = sdpa_attention(query, key, value, **structure, dropout_p=dropout_p)
-        elif name == "tiled":
-            attended = tiled_attention(
-                query, key, value, self.config.block, **structure, kernel=self.config.kernel
-            )
-        else:
-            from octlm.attention.ring import ring_attention
-
-            attended = ring_attention(query, key, value, **structure)
-        # attended: (B, H, T, D)
+        impl = implementation(self.config.attention)
+        tuning = {
+            name: getattr(self.config, name) for name in impl.tuning if hasattr(self.config, name)
+        }
+        # Causal is bottom-right aligned, so one rule serves a full sequence and a chunk after
+        # cached keys: the structure is described, never materialised as a T x K mask.
+        attended = impl.function(
+            query, key, value, causal=True, window=self.config.window,
+            dropout_p=self.dropout.p if self.training else 0.0, **tuning,
+        )  # (B, H, T, D)  # fmt: skip
         attended = attended.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
         return self.dropout(self.output(attended))
 
@@ -201,14 +192,6 @@ class Attention(nn.Module):
         key = key.view(batch, length, kv_heads, head_size).transpose(1, 2)  # (B, Hkv, T, D)
         value = value.view(batch, length, kv_heads, head_size).transpose(1, 2)  # (B, Hkv, T, D)
         return apply_rope(query, *rope), apply_rope(key, *rope), value
-
-    def _mask_for(self) -> dict:
-        """Which keys a query sees, as the attention functions' structural arguments.
-
-        Causal is bottom-right aligned, so the same arguments serve a full sequence and a chunk
-        after cached keys; the rules are described, never materialised as a ``T x K`` mask.
-        """
-        return {"causal": True, "window": self.config.window}
 
 
 class MLP(nn.Module):

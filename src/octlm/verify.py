@@ -33,7 +33,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from octlm import records
-from octlm.attention import naive_attention, sdpa_attention, tiled_attention
+from octlm.attention import (
+    IMPLEMENTATIONS,
+    implementation,
+    naive_attention,
+    sdpa_attention,
+    tiled_attention,
+)
 from octlm.attention.masks import allowed
 from octlm.attention.tiled import attend_forward, merge, parse_block
 from octlm.equality import GRADIENT_FACTOR, Verdict, judge, max_abs_diff
@@ -47,7 +53,8 @@ DTYPES = {
     "float16": torch.float16,
 }
 QKV = ("query", "key", "value")
-ATTENTION = {"naive": naive_attention, "sdpa": sdpa_attention, "tiled": tiled_attention}
+# The implementations one process can run; ring is checked in its own distributed tests.
+SINGLE_PROCESS = tuple(name for name, impl in IMPLEMENTATIONS.items() if not impl.distributed)
 # Two float32 loss curves are "the same" when they differ by what float32 rounding explains.
 # Over 20 steps that is ~1e-6 relative (naive in float32 vs float64 differ by 2e-6 on a 2-core
 # CPU); 1e-4 leaves room for other machines, while a wrong gradient shows at 1e-2 (a tiled
@@ -193,9 +200,9 @@ def _inputs(case: Case, dtype: torch.dtype, device: str, seed: int = 0) -> list[
 
 
 def _attend(name: str, query: Tensor, key: Tensor, value: Tensor, case: Case) -> Tensor:
-    if name == "tiled":
-        return tiled_attention(query, key, value, case.block, **case.options(), kernel="pytorch")
-    return ATTENTION[name](query, key, value, **case.options())
+    impl = implementation(name)
+    tuning = {"block": case.block, "kernel": "pytorch"} if "block" in impl.tuning else {}
+    return impl.function(query, key, value, **case.options(), **tuning)
 
 
 def tiled_vs_sdpa(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
@@ -213,7 +220,7 @@ def tiled_vs_sdpa(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Ite
             yield _record("sdpa vs naive output", "sdpa", "naive", case, dtype, verdict, diff)
             for block in plan.blocks:
                 case = replace(case, block=block)
-                tiled = tiled_attention(query, key, value, block)
+                tiled = tiled_attention(query, key, value, block=block)
                 verdict, diff = judge(tiled, base, reference), max_abs_diff(tiled, sdpa)
                 yield _record("tiled vs sdpa output", "tiled", "sdpa", case, dtype, verdict, diff)
 
@@ -455,7 +462,7 @@ def decoding(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator
             reference = _model(config, "naive", state, device, torch.float64)(tokens)
             for dtype in dtypes:
                 base = _model(config, "naive", state, device, dtype)(tokens)
-                for name in ATTENTION:
+                for name in SINGLE_PROCESS:
                     model = _model(config, name, state, device, dtype)
                     full = model(tokens)  # (B, T, V)
                     cached = _cached_logits(model, tokens, plan.prompt_length)
@@ -482,7 +489,7 @@ def _greedy(
 ) -> Iterator[dict]:
     """Greedy tokens in float32: equal across implementations and to full-forward argmaxes."""
     generated = {}
-    for name in ATTENTION:
+    for name in SINGLE_PROCESS:
         model = _model(config, name, state, device, torch.float32)
         sequence = model.generate(prompt, plan.new_tokens)  # (B, P + N)
         argmax = model(sequence[:, :-1])[:, plan.prompt_length - 1 :].argmax(dim=-1)  # (B, N)
@@ -504,7 +511,7 @@ def training(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator
     case = replace(_model_case(plan, config, plan.train_length), batch=plan.train_batch)
     options = dict(steps=plan.train_steps, batch=plan.train_batch, length=plan.train_length)
     reference = train(config, dtype=torch.float64, **options)
-    curves = {name: train(replace(config, attention=name), **options) for name in ATTENTION}
+    curves = {name: train(replace(config, attention=name), **options) for name in SINGLE_PROCESS}
     base_error = _relative(curves["naive"], reference)
     for name, curve in curves.items():
         error = _relative(curve, curves["naive"])

@@ -16,12 +16,16 @@ lengths, ``D`` head size. Grouped-query attention shares each key/value head amo
 
 from octlm.attention.masks import attention_mask
 from octlm.attention.naive import naive_attention
+from octlm.attention.registry import IMPLEMENTATIONS, Implementation, implementation
 from octlm.attention.ring import ring_attention
 from octlm.attention.sdpa import sdpa_attention
 from octlm.attention.tiled import tiled_attention
 
 __all__ = [
+    "IMPLEMENTATIONS",
+    "Implementation",
     "attention_mask",
+    "implementation",
     "naive_attention",
     "ring_attention",
     "sdpa_attention",

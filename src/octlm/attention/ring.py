@@ -331,7 +331,10 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     causal: bool = True,
     window: int = 0,
+    mask: Tensor | None = None,
     scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
     layout: str = DEFAULT_LAYOUT,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
 ) -> Tensor:
@@ -348,7 +351,10 @@ def ring_attention(
         causal: a token sees the tokens at and before its global position.
         window: if > 0, a token also sees only the ``window`` most recent tokens (itself
             included), counted in global positions.
+        mask, key_lengths: not supported across ranks; must be None (they are in the shared
+            signature so that the registry can call every implementation alike).
         scale: score scale, ``1 / sqrt(head_size)`` by default.
+        dropout_p: must be 0; ring attention has no attention dropout.
         layout: ``"zigzag"`` (rank r holds chunks r and 2W - 1 - r of 2W; balanced under
             causal) or ``"plain"`` (rank r holds chunk r of W).
         block: tile sizes for the local block computation, as in ``tiled_attention``.
@@ -357,7 +363,13 @@ def ring_attention(
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
     _check_layout(layout)
-    shape = check_inputs(query, key, value, causal=causal, window=window, scale=scale)
+    for name, given in (("mask", mask), ("key_lengths", key_lengths)):
+        if given is not None:
+            raise ValueError(f"ring_attention takes no {name}; shard only causal/window rules")
+    shape = check_inputs(
+        query, key, value, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+        dropout_supported=False,
+    )  # fmt: skip
     group, rank, world = process_group(group)
     _check_same_shapes(group, world, query=query, key=key)
     if shape.q_len != shape.k_len:

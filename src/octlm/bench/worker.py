@@ -88,7 +88,7 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
     if m.backend == "tiled":
         block = tuple(m.block)
         return lambda: tiled_attention(
-            query, key, value, block, key_lengths=key_lengths, kernel="pytorch", **options
+            query, key, value, block=block, key_lengths=key_lengths, kernel="pytorch", **options
         )  # the Triton kernel is its own backend
     if m.backend in SDPA:
 

@@ -1,0 +1,75 @@
+"""One registry of attention implementations: name -> function and what it supports.
+
+Callers (the model, verify, the benchmark worker, the tests) look an implementation up here and
+never branch on its name. Every function takes ``(query, key, value, *, causal, window, mask,
+scale, dropout_p, key_lengths)``; ``tuning`` lists the extra keywords one also accepts (the
+tiled ``block`` and ``kernel``), which change speed, never the result beyond rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from octlm.attention.naive import naive_attention
+from octlm.attention.ring import ring_attention
+from octlm.attention.sdpa import sdpa_attention
+from octlm.attention.tiled import tiled_attention
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One attention implementation and its capabilities."""
+
+    name: str
+    function: Callable
+    summary: str
+    dropout: bool  # accepts dropout_p > 0
+    mask_grad: bool  # a float mask that requires grad receives its gradient
+    tuning: tuple[str, ...] = ()  # keywords beyond the shared signature
+    distributed: bool = False  # a collective over a process group: no mask or key_lengths
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    impl.name: impl
+    for impl in (
+        Implementation(
+            "naive",
+            naive_attention,
+            "the reference: whole score matrix, O(Q*K) memory",
+            dropout=True,
+            mask_grad=True,
+        ),
+        Implementation(
+            "sdpa",
+            sdpa_attention,
+            "PyTorch's fused scaled_dot_product_attention",
+            dropout=True,
+            mask_grad=True,
+        ),
+        Implementation(
+            "tiled",
+            tiled_attention,
+            "FlashAttention's blocking in PyTorch, O(Q+K) memory",
+            dropout=False,
+            mask_grad=True,
+            tuning=("block", "kernel"),
+        ),
+        Implementation(
+            "ring",
+            ring_attention,
+            "tiled blocks over a sequence sharded across processes",
+            dropout=False,
+            mask_grad=False,
+            tuning=("block", "layout", "group"),
+            distributed=True,
+        ),
+    )
+}
+
+
+def implementation(name: str) -> Implementation:
+    """The registered implementation called ``name``; a ``ValueError`` lists the choices."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {tuple(IMPLEMENTATIONS)}, got {name!r}")
+    return IMPLEMENTATIONS[name]
