@@ -1,7 +1,8 @@
 """Forward outputs of all three implementations against an independent float64 reference.
 
-Each case is judged by DESIGN §4: the tested output's error against the float64 reference must
-be within twice the error that plain (naive) attention makes in the same dtype, plus atol.
+Each case is judged by docs/design.md §4: the tested output's error against the float64
+reference must be within twice the error that plain (naive) attention makes in the same
+dtype, plus atol.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from octlm.attention import naive_attention, sdpa_attention, tiled_attention
-from tests.conftest import assert_judged, make_qkv, reference
+from tests.helpers import assert_judged, make_qkv, reference
 
 IMPLEMENTATIONS = {
     "naive": naive_attention,

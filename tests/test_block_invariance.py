@@ -1,4 +1,4 @@
-"""The seed: "The block size is a performance choice, not a numerical one"."""
+"""The Day 2 note: "The block size is a performance choice, not a numerical one"."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from octlm.attention import tiled_attention
-from tests.conftest import make_qkv
+from tests.helpers import make_qkv
 
 blocks = st.one_of(st.integers(1, 80), st.tuples(st.integers(1, 80), st.integers(1, 80)))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from octlm.attention import attention_mask, naive_attention, sdpa_attention, tiled_attention
-from tests.conftest import make_qkv
+from tests.helpers import make_qkv
 
 ALL = [naive_attention, sdpa_attention, tiled_attention]
 
@@ -29,6 +29,7 @@ CASES = [
     ("window", lambda *t: t, {"window": -1}, ValueError, "window must be"),
     ("window type", lambda *t: t, {"window": 2.5}, ValueError, "window must be"),
     ("scale", lambda *t: t, {"scale": 0.0}, ValueError, "scale must be"),
+    ("scale bool", lambda *t: t, {"scale": True}, ValueError, "scale must be"),
     ("causal", lambda *t: t, {"causal": "yes"}, TypeError, "causal must be a bool"),
     (
         "mask shape",
@@ -142,3 +143,17 @@ def test_kernel_choice_is_validated_and_routed(monkeypatch):
     assert calls and calls[0]["window"] == 3
     tiled_attention(query, key, value, kernel="pytorch")
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("attention", ALL, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "batch, q_len, k_len", [(0, 8, 8), (2, 8, 0), (2, 0, 8), (2, 0, 0)], ids=str
+)
+def test_empty_inputs_give_empty_or_zero_outputs(attention, batch, q_len, k_len):
+    """No rows: an empty output. No keys: every row sees nothing, so zeros (and zero grads)."""
+    query = torch.randn(batch, 4, q_len, 16, requires_grad=True)
+    key, value = (torch.randn(batch, 2, k_len, 16, requires_grad=True) for _ in range(2))
+    out = attention(query, key, value, causal=k_len >= q_len)
+    assert out.shape == query.shape and not out.any()
+    out.sum().backward()
+    assert all(not x.grad.any() for x in (query, key, value))

@@ -28,7 +28,7 @@ from octlm.parallel import (
     gather_logits,
     reduce_gradients,
 )
-from tests.conftest import make_qkv, reference
+from tests.helpers import make_qkv, reference
 
 pytestmark = pytest.mark.distributed
 

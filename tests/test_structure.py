@@ -12,7 +12,7 @@ import torch
 
 from octlm.attention import naive_attention, tiled_attention
 from octlm.attention.masks import allowed
-from tests.conftest import assert_judged, make_qkv, reference
+from tests.helpers import assert_judged, make_qkv, reference
 
 
 def dense(q_len, k_len, causal, window, key_lengths=None):
@@ -60,16 +60,16 @@ def test_padding_by_lengths_equals_dense_mask(lengths):
 
 def test_padded_and_hidden_blocks_are_never_computed(monkeypatch):
     """Count the key blocks visited: skipping must really happen, not just masking."""
-    import octlm.attention.tiled as tiled
+    from octlm.attention.blocks import BlockWalk
 
     visited = []
-    original = tiled._Blocks.scores
+    original = BlockWalk.scores
 
     def counting(self, q_block, rows, columns):
         visited.append((rows, columns))
         return original(self, q_block, rows, columns)
 
-    monkeypatch.setattr(tiled._Blocks, "scores", counting)
+    monkeypatch.setattr(BlockWalk, "scores", counting)
     query, key, value = make_qkv(batch=1, q_len=512, k_len=512)
     tiled_attention(query, key, value, block=(64, 64), window=64)
     # Each 64-row block sees its own keys and the 63 before: at most 2 key blocks.

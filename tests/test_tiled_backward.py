@@ -1,6 +1,6 @@
 """The recomputing backward of tiled attention against float64 autograd through the reference.
 
-Gradients are judged by DESIGN §4 with factor 3: dq, dk, dv of tiled attention in the tested
+Gradients are judged by docs/design.md §4 with factor 3: dq, dk, dv of tiled attention in the tested
 dtype against autograd through the independent float64 reference, relative to the gradients of
 naive attention in the same dtype.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from octlm.attention import naive_attention, tiled_attention
-from tests.conftest import assert_judged, make_qkv, reference
+from tests.helpers import assert_judged, make_qkv, reference
 
 
 def gradients(function, inputs, grad_out, **options):
@@ -61,7 +61,8 @@ def test_gradients_with_window(window, causal):
 def test_window_of_one_passes_gradient_straight_to_value():
     """Each row sees only itself: out = v, so dv = dout (summed over the group), and dq = dk = 0
     up to the rounding of delta = rowsum(dout * out) against dout @ vᵀ. Naive gets an exact 0
-    here, so the relative rule of DESIGN §4 has no error to scale by; the bound is absolute."""
+    here, so the relative rule of docs/design.md §4 has no error to scale by: the bound is
+    absolute."""
     query, key, value = make_qkv(q_len=50, requires_grad=True)
     grad_out = torch.randn(query.shape)
     tiled_attention(query, key, value, block=(16, 8), window=1).backward(grad_out)

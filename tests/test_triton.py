@@ -1,4 +1,4 @@
-"""The Triton FlashAttention kernels against the float64 reference (DESIGN §4).
+"""The Triton FlashAttention kernels against the float64 reference (docs/design.md §4).
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter, which has to be on
 when Triton is first imported and again when a kernel first runs, so this module switches it on
@@ -19,7 +19,7 @@ import torch
 
 from octlm.attention import naive_attention
 from octlm.attention.masks import dense_mask
-from tests.conftest import assert_judged, make_qkv
+from tests.helpers import assert_judged, make_qkv
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -248,3 +248,71 @@ def test_cuda_backward_is_deterministic():
     for _ in range(3):
         again = run(triton_attention, inputs, grad_out)[1]
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def _ranges_kernel():
+    """A kernel returning both block-range helpers per case: (key lo, key hi, row lo, row hi).
+    Built inside a test, so it is made while the interpreter is on."""
+    tl = triton_flash.tl
+
+    @triton_flash.triton.jit
+    def kernel(starts, pasts, lengths, windows, out, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
+        case = tl.program_id(0)
+        start, past = tl.load(starts + case), tl.load(pasts + case)
+        k_len, window = tl.load(lengths + case), tl.load(windows + case)
+        q_len = k_len - past
+        key_lo, key_hi = triton_flash._key_range(start, past, k_len, window, BLOCK_M, BLOCK_N,
+                                                 CAUSAL)  # fmt: skip
+        row_lo, row_hi = triton_flash._query_range(start, past, q_len, window, BLOCK_M,
+                                                   BLOCK_N, CAUSAL)  # fmt: skip
+        tl.store(out + 4 * case, key_lo)
+        tl.store(out + 4 * case + 1, key_hi)
+        tl.store(out + 4 * case + 2, row_lo)
+        tl.store(out + 4 * case + 3, row_hi)
+
+    return kernel
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_block_ranges_agree_with_the_pytorch_rule(causal):
+    """The kernels' block skipping against the one PyTorch source of truth, ``masks``: the keys a
+    query block visits are ``key_range`` (its start rounded down to a block), and the rows a key
+    block visits include every row that ``allowed`` lets see one of its keys."""
+    from octlm.attention.masks import allowed, key_range
+
+    block = 16
+    cases = [
+        (start, past, q_len + past, window)
+        for q_len in (1, 17, 50)
+        for past in (0, 16, 33)
+        for window in (0, 1, 18, 50)
+        for start in range(0, max(q_len, q_len + past), block)
+    ]
+    starts, pasts, lengths, windows = (
+        torch.tensor(c, dtype=torch.int32) for c in zip(*cases, strict=True)
+    )
+    kernel_windows = torch.where(windows == 0, lengths + 1, windows)  # as _sizes passes "none"
+    starts, pasts, lengths, kernel_windows = (
+        x.to(DEVICE) for x in (starts, pasts, lengths, kernel_windows)
+    )
+    out = torch.zeros(len(cases), 4, dtype=torch.int32, device=DEVICE)
+    _ranges_kernel()[(len(cases),)](starts, pasts, lengths, kernel_windows, out, BLOCK_M=block,
+                                  BLOCK_N=block, CAUSAL=causal)  # fmt: skip
+    for (start, past, k_len, window), (key_lo, key_hi, row_lo, row_hi) in zip(
+        cases, out.cpu().tolist(), strict=True
+    ):
+        q_len = k_len - past
+        if start < q_len:  # the query block [start, start + block) against key_range
+            rows = range(start, min(start + block, q_len))
+            keys = key_range(rows, k_len, past, causal, window)
+            if len(keys):
+                assert key_lo == keys.start // block * block and key_hi == keys.stop
+            else:
+                assert key_hi <= key_lo or not allowed(rows, range(key_lo, key_hi), past,
+                                                       causal, window).any()  # fmt: skip
+        if start < k_len:  # the key block [start, start + block): rows that see any of it
+            columns = range(start, min(start + block, k_len))
+            seen = allowed(range(q_len), columns, past, causal, window).any(dim=1)
+            needed = seen.nonzero().flatten().tolist()
+            assert all(row_lo <= row < row_hi for row in needed)

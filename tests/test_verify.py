@@ -57,13 +57,13 @@ def test_quick_run_passes_and_writes_design_records(tmp_path, capsys):
 
 
 def perturb_forward(monkeypatch):
-    forward = octlm.attention.tiled.attend_forward
+    forward = octlm.attention.tiled.forward_rows
 
     def broken(*args, **kwargs):
-        out, lse = forward(*args, **kwargs)
-        return out + 1e-3, lse
+        out, rows = forward(*args, **kwargs)
+        return out + 1e-3, rows
 
-    monkeypatch.setattr(octlm.attention.tiled, "attend_forward", broken)
+    monkeypatch.setattr(octlm.attention.tiled, "forward_rows", broken)
 
 
 def perturb_backward(monkeypatch):

@@ -40,8 +40,8 @@ from octlm.attention import (
     sdpa_attention,
     tiled_attention,
 )
+from octlm.attention.blocks import attend_forward, merge, parse_block
 from octlm.attention.masks import allowed
-from octlm.attention.tiled import attend_forward, merge, parse_block
 from octlm.equality import GRADIENT_FACTOR, Verdict, judge, max_abs_diff
 from octlm.model import KVCache, ModelConfig, OctLM
 from octlm.train import train

@@ -1,8 +1,11 @@
-"""Exact attention, three ways behind one signature (DESIGN §2-3).
+"""Exact attention, several ways behind one signature (docs/design.md §2-3).
 
 - :func:`naive_attention`: the reference; the whole score matrix.
 - :func:`sdpa_attention`: PyTorch's fused ``scaled_dot_product_attention``.
 - :func:`tiled_attention`: FlashAttention's blocking in plain PyTorch, with its own backward.
+- :func:`ring_attention`: the tiled blocks over a sequence sharded across processes.
+
+``IMPLEMENTATIONS`` maps each name to its function and what it supports; look them up there.
 
 Notation: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``Q``/``K`` query and key
 lengths, ``D`` head size. Grouped-query attention shares each key/value head among

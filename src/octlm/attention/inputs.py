@@ -49,7 +49,7 @@ def check_inputs(
     dropout_supported: bool = True,
     key_lengths: Tensor | None = None,
 ) -> Shape:
-    """Validate an attention call against DESIGN §2 and return its :class:`Shape`."""
+    """Validate an attention call against docs/design.md §2 and return its :class:`Shape`."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -91,7 +91,12 @@ def check_inputs(
         _check_key_lengths(key_lengths, query, batch, k_len)
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
-    elif not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+    elif (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")

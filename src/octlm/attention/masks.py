@@ -1,4 +1,4 @@
-"""The structural rules of DESIGN §2: bottom-right causal alignment and the sliding window.
+"""The structural rules of docs/design.md §2: bottom-right causal alignment and the sliding window.
 
 Query row ``i`` sits at key position ``past + i``; it may see key ``j`` iff ``j <= past + i``
 (when causal) and ``past + i - j < window`` (when ``window > 0``). ``past`` is
@@ -83,6 +83,11 @@ def dense_mask(
     if mask.dtype == torch.bool:
         return mask & structural
     return torch.where(structural, mask, float("-inf"))
+
+
+def as_4d(mask: Tensor) -> Tensor:
+    """A mask broadcastable to ``(B, H, Q, K)`` as a 4-D view, leading dims of size 1."""
+    return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
 def padding_mask(key_lengths: Tensor, columns: range) -> Tensor:

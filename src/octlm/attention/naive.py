@@ -1,7 +1,8 @@
-"""The reference: the whole score matrix, mask, softmax, multiply by the values (seed, Day 1).
+"""The reference: the whole score matrix, mask, softmax, multiply by the values.
 
-Short and obviously right on purpose; it is what the other implementations are checked against,
-and, run in float64, the "golden" reference of DESIGN §4. Memory is O(q_len x k_len) per head.
+The handwritten path the project began with. Short and obviously right on purpose: it is what
+the other implementations are checked against, and, run in float64, the reference of
+docs/design.md §4. Memory is O(q_len x k_len) per head.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from torch import Tensor
 
 from octlm.attention.inputs import check_inputs
 from octlm.attention.masks import dense_mask
+
+NEG_INF = float("-inf")
 
 
 def naive_attention(
@@ -41,11 +44,23 @@ def naive_attention(
     if hidden is not None and hidden.dtype == torch.bool:
         scores = scores.masked_fill(~hidden, float("-inf"))
     elif hidden is not None:
-        scores = scores + hidden.to(scores.dtype)
-    # A row that sees no key would be a softmax of all -inf (NaN); DESIGN §2 makes it zero,
-    # with zero gradient, so give those rows finite scores and zero their weights.
-    seen = scores.amax(dim=-1, keepdim=True) > float("-inf")  # (B, H, Q, 1)
+        # A finite mask value is a score; only -inf hides (and hides a NaN score too).
+        scores = (scores + hidden.to(scores.dtype)).masked_fill(hidden == float("-inf"), NEG_INF)
+    # A row that sees no key would be a softmax of all -inf (NaN); it is zero instead, with
+    # zero gradient, so give those rows finite scores and zero their weights. NaN counts as
+    # seen, so a NaN a row can see makes the row NaN.
+    seen = (scores != NEG_INF).any(dim=-1, keepdim=True)  # (B, H, Q, 1)
     weights = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1).masked_fill(~seen, 0.0)
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p)
-    return weights @ value  # (B, H, Q, D)
+    broken = ~value.isfinite()  # (B, H, K, D)
+    if not broken.any():
+        return weights @ value  # (B, H, Q, D)
+    # 0 x NaN is NaN: sum the finite values, then add exactly what each row sees of the rest.
+    out = weights @ value.masked_fill(broken, 0.0)  # (B, H, Q, D)
+    columns = broken.flatten(0, 1).any(dim=0).any(dim=-1).nonzero().squeeze(1)  # keys with any
+    visible = (scores != NEG_INF)[..., columns, None]  # (B, H, Q, K', 1)
+    part = weights[..., columns, None] * value[:, :, None, columns].masked_fill(
+        ~broken[:, :, None, columns], 0.0
+    )  # (B, H, Q, K', D)
+    return out + torch.where(visible, part, 0.0).sum(dim=-2)

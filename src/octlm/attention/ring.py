@@ -4,7 +4,7 @@ Each of the ``W`` ranks holds the query, key and value of its own positions of o
 sequence. Key/value shards travel once around the ring, rank ``r`` sending to ``r + 1`` and
 receiving from ``r - 1``; while the next shard is in flight, each rank attends its queries to
 the shard it holds with the tiled block functions, and folds the partial ``(out, lse)`` into
-its running result with :func:`~octlm.attention.tiled.merge`, which is exact. After ``W``
+its running result with :func:`~octlm.attention.blocks.merge`, which is exact. After ``W``
 steps every query has seen every key, and no rank ever held more than two key/value shards.
 
 Layouts (how the sequence is cut among ranks), pictured for ``W = 2``::
@@ -37,9 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from octlm.attention.inputs import check_inputs
-from octlm.attention.masks import key_range
-from octlm.attention.tiled import (
+from octlm.attention.blocks import (
     DEFAULT_BLOCK,
     accumulation_dtype,
     attend_backward,
@@ -47,6 +45,8 @@ from octlm.attention.tiled import (
     merge,
     parse_block,
 )
+from octlm.attention.inputs import check_inputs
+from octlm.attention.masks import key_range
 
 LAYOUTS = ("zigzag", "plain")
 DEFAULT_LAYOUT = "zigzag"

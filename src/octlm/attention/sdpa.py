@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from octlm.attention.inputs import check_inputs
-from octlm.attention.masks import dense_mask
+from octlm.attention.masks import as_4d, dense_mask, padding_mask
 
 
 def sdpa_attention(
@@ -33,10 +33,15 @@ def sdpa_attention(
     )  # fmt: skip
     plain = mask is None and key_lengths is None and window == 0 and (not causal or shape.past == 0)
     attn_mask = None
+    if key_lengths is not None:
+        # No row sees a padded key, so its contents must not matter; SDPA's kernels multiply
+        # zero weights by it, and 0 x NaN is NaN. Zero the padding instead.
+        present = padding_mask(key_lengths, range(shape.k_len)).transpose(-2, -1)  # (B,1,K,1)
+        key, value = key.masked_fill(~present, 0.0), value.masked_fill(~present, 0.0)
     if not plain:
-        attn_mask = dense_mask(
-            shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths
-        )
+        attn_mask = as_4d(
+            dense_mask(shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths)
+        )  # SDPA wants at least 2-D
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(query.dtype)  # SDPA wants the query's dtype
     return F.scaled_dot_product_attention(

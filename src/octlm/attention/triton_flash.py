@@ -1,10 +1,11 @@
 """FlashAttention-2 as Triton kernels: forward, and a deterministic recomputing backward.
 
-The same algorithm and semantics as :mod:`octlm.attention.tiled` (DESIGN §2), compiled for the
-GPU: GQA (query head ``h`` reads key/value head ``h // (H // Hkv)``), bottom-right causal
-alignment, a sliding window, any lengths, head sizes up to 256 (padded inside the kernels to a
-power of two, at least 16, with masked loads), float16, bfloat16 and float32 inputs with fp32
-accumulation, zeros (never NaN) for rows that see no key and an fp32 log-sum-exp.
+The same algorithm and semantics as :mod:`octlm.attention.tiled` (docs/design.md §2),
+compiled for the GPU: GQA (query head ``h`` reads key/value head ``h // (H // Hkv)``),
+bottom-right causal alignment, a sliding window, any lengths, head sizes up to 256 (padded
+inside the kernels to a power of two, at least 16, with masked loads), float16, bfloat16 and
+float32 inputs with fp32 accumulation, zeros (never NaN) for rows that see no key and an fp32
+log-sum-exp.
 
 Three kernels, one program per tile, no atomics:
 
@@ -50,7 +51,7 @@ def _jit(fn):
 
 @_jit
 def _visible(position, key, k_len, window, CAUSAL: tl.constexpr):
-    """Where a query at absolute ``position`` may see ``key`` (broadcast shapes): DESIGN §2."""
+    """Where a query at ``position`` may see ``key`` (broadcast shapes): docs/design.md §2."""
     seen = (key < k_len) & (position - key < window)
     if CAUSAL:
         seen = seen & (key <= position)
@@ -330,7 +331,7 @@ def _sizes(query: Tensor, key: Tensor, causal: bool, window: int, scale: float) 
         "HEAD_BLOCK": max(16, triton.next_power_of_2(head_size)),  # tl.dot needs >= 16
         "CAUSAL": causal,
         # fp32 inputs get true fp32 products: TF32, Triton's default for them, would not pass
-        # DESIGN §4 against an fp32 reference. fp16/bf16 operands keep Triton's default.
+        # docs/design.md §4 against an fp32 reference. fp16/bf16 operands keep Triton's default.
         "PRECISION": "ieee" if query.dtype == torch.float32 else None,
     }
 

@@ -1,0 +1,559 @@
+"""The block engine: FlashAttention's online softmax and its recomputing backward, in PyTorch.
+
+Queries and keys are cut into blocks. For each query block a per-row shift, the running sum
+and the unnormalised output are carried across key blocks (:class:`OnlineSoftmax`), and the
+output is normalised once at the end. :class:`BlockWalk` says which key blocks a query block
+visits (blocks that the causal/window rules or padding hide entirely are never touched) and
+computes one score tile with the hidden places at ``-inf``; blocks the rules show whole get no
+mask arithmetic at all. No ``q_len x k_len`` tensor is ever made.
+
+:func:`attend_forward` and :func:`attend_backward` are the steps as functions, over one chunk
+of queries against one chunk of keys; :func:`merge` combines partial results over disjoint key
+chunks exactly. ``octlm.attention.tiled`` wraps them in an autograd function and the ring
+(``octlm.attention.ring``) runs them across processes. The numerics (why a shift that is not
+the running maximum, why base 2, what is exact) are in docs/design.md §7.
+
+Layout inside: the query heads that share one key/value head are folded into the rows of a
+block, ``(B, H, Q, D) -> (B, Hkv, Q, G, D)`` viewed as ``(B*Hkv, Q*G, D)`` per block, so GQA
+costs one matmul per block with no copy of key or value. ``G = heads // kv_heads``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from octlm.attention.masks import allowed, as_4d, fully_visible, key_range, padding_mask
+
+NEG_INF = float("-inf")
+LOG2E = math.log2(math.e)
+# The most one block's weights may sum to (relative to the row's shift) before the shift
+# moves up to that block's maximum and the block is recomputed.
+CEILING = 2.0**16
+# Rows and keys per tile. Tuned on a 2-core CPU at 8,192 tokens, 8 heads of 32: smaller tiles
+# pay Python overhead per block, larger ones fall out of cache.
+DEFAULT_BLOCK = (512, 256)
+# Query rows per block (heads of a group included) from which the shift rides in the matmul.
+FUSED_SHIFT_ROWS = 64
+# The largest shift (in score units) the backward lets ride in the matmul: inside it, the
+# shift's rounding joins the sum of products; past it, scores are formed first, as naive does.
+FUSED_SHIFT_LIMIT = 64.0
+
+
+def parse_block(block: int | tuple[int, int]) -> tuple[int, int]:
+    """``block`` as ``(block_q, block_k)``; an int sets both."""
+    pair = (block, block) if isinstance(block, int) and not isinstance(block, bool) else block
+    if (
+        not isinstance(pair, tuple | list)
+        or len(pair) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in pair)
+    ):
+        raise ValueError(f"block must be an int >= 1 or a pair (block_q, block_k), got {block!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; everything else (fp32, bf16, fp16) accumulates in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units scores are kept in: ``unit`` times natural units, exponentiated in base
+    ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is several
+    times cheaper than ``exp`` on CPU; natural units when a float mask holds values that would
+    overflow once multiplied by ``log2(e)`` (``finfo.min`` masks), since such a value is still
+    a score and must keep its place in the softmax."""
+
+    unit: float
+
+    @staticmethod
+    def choose(mask: Tensor | None, dtype: torch.dtype) -> Units:
+        floats = mask is not None and mask.is_floating_point() and mask.numel()
+        if floats and float(mask.min()) * LOG2E < -torch.finfo(dtype).max:
+            return Units(1.0)
+        return Units(LOG2E)
+
+    def exp_(self, x: Tensor) -> Tensor:
+        return x.exp2_() if self.unit != 1.0 else x.exp_()
+
+    def log(self, x: Tensor) -> Tensor:
+        return x.log2() if self.unit != 1.0 else x.log()
+
+
+@dataclass
+class RowStats:
+    """What the forward knows of each query row's softmax, ``(B, H, Q)`` each.
+
+    ``shift`` is in the forward's units and ``total = sum exp(score - shift)`` over the keys the
+    row sees (0 when it sees none). ``lse = (shift + log total) / unit``, but the pair is exact
+    where ``lse`` is not: with scores near ``finfo.min``, ``score - lse`` rounds away ``log total``.
+    """
+
+    shift: Tensor
+    total: Tensor
+    units: Units
+
+    def lse(self) -> Tensor:
+        """Natural log-sum-exp; ``-inf`` for rows that see no key."""
+        return (self.shift + self.units.log(self.total)) / self.units.unit
+
+
+class BlockWalk:
+    """Which key blocks each query block visits, and one score tile at a time.
+
+    Works on inputs in the folded layout: ``query (B, Hkv, Q, G, D [+ 1])`` and ``keys (B, Hkv,
+    K, D [+ 1])`` may carry one extra column each (see :func:`_fold`); ``mask`` is as
+    :func:`_fold_mask` returns. ``past`` places query row ``i`` at key position ``past + i``.
+    Score tiles are written into one reused buffer: a fresh multi-MiB tensor per block costs
+    page faults comparable to the matmul itself.
+
+    With ``careful`` (some input is not finite) hidden places are set to ``-inf`` by masked
+    fills, never by adding a ``-inf`` bias, so a NaN a row cannot see stays out of its scores.
+    """
+
+    def __init__(
+        self, query, keys, past, causal, window, mask, block, units, key_lengths=None,
+        careful=False,
+    ):  # fmt: skip
+        self.batch, self.kv_heads, self.q_len, self.group, _ = query.shape
+        self.k_len = keys.shape[2]
+        # Padding: keys past the longest length are skipped, keys before the shortest are
+        # whole; only blocks in between need the per-batch mask.
+        self.key_lengths = key_lengths
+        self.longest, self.shortest = self.k_len, self.k_len
+        if key_lengths is not None:
+            self.longest, self.shortest = int(key_lengths.max()), int(key_lengths.min())
+        self.past, self.causal, self.window, self.mask = past, causal, window, mask
+        self.units, self.careful = units, careful
+        self.block_q, self.block_k = block
+        # Decoding and short chunks: widen the key block so the score tile, not the Python
+        # loop, sets the cost; the tile stays at most block_q x block_k per group.
+        if self.q_len < self.block_q:
+            self.block_k = self.block_k * self.block_q // max(self.q_len, 1)
+        self.keys = keys
+        self._buffers: dict[str, Tensor] = {}
+        self._edges: dict[tuple[int, int, int], Tensor] = {}
+
+    def query_blocks(self):
+        for start in range(0, self.q_len, self.block_q):
+            yield range(start, min(start + self.block_q, self.q_len))
+
+    def key_blocks(self, rows: range):
+        keys = key_range(rows, self.longest, self.past, self.causal, self.window)
+        for start in range(keys.start, keys.stop, self.block_k):
+            yield range(start, min(start + self.block_k, keys.stop))
+
+    def rows(self, tensor: Tensor, rows: range) -> Tensor:
+        """One query block of a folded (B, Hkv, Q, G, C) tensor as (B, Hkv, R * G, C)."""
+        part = tensor[:, :, rows.start : rows.stop]
+        return part.view(self.batch, self.kv_heads, len(rows) * self.group, tensor.shape[-1])
+
+    def tile(self, name: str, *shape: int) -> Tensor:
+        """A reused buffer of ``shape`` (contiguous), one per ``name``."""
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[name] = self.keys.new_empty(numel)
+        return buffer[:numel].view(shape)
+
+    def unfold_tile(self, scores: Tensor, rows: range, columns: range, transposed: bool):
+        """A score tile as a ``(B, Hkv, R, G, C)`` view, whichever way it was computed."""
+        if transposed:
+            tile = scores.view(self.batch, self.kv_heads, len(columns), len(rows), self.group)
+            return tile.permute(0, 1, 3, 4, 2)
+        return scores.view(self.batch, self.kv_heads, len(rows), self.group, len(columns))
+
+    def _edge(self, rows: range, columns: range) -> Tensor:
+        """0 / -inf bias ``(R, C)`` of one edge block. Adding it is several times cheaper than
+        a masked fill; it depends only on the block's offset from the diagonal, so the few
+        distinct ones are built once per call."""
+        offset = self.past + rows.start - columns.start
+        key = (len(rows), len(columns), offset)
+        if key not in self._edges:
+            visible = allowed(
+                range(len(rows)), range(len(columns)), offset, self.causal, self.window,
+                self.keys.device,
+            )  # fmt: skip
+            bias = torch.zeros(visible.shape, dtype=self.keys.dtype, device=self.keys.device)
+            self._edges[key] = bias.masked_fill_(~visible, NEG_INF)
+        return self._edges[key]
+
+    def scores(
+        self, q_block: Tensor, rows: range, columns: range, transposed: bool = False
+    ) -> Tensor:
+        """``q_block @ key_blockᵀ`` plus the float mask, hidden places at -inf.
+
+        ``(B*Hkv, R*G, C)``, or ``(B*Hkv, C, R*G)`` when ``transposed``: the backward wants the
+        keys first, because a transposed first operand takes a slow matmul path on CPU.
+        """
+        k_block = _as_3d(self.keys[:, :, columns.start : columns.stop])  # (B*Hkv, C, D [+ 1])
+        q_block = _as_3d(q_block)  # (B*Hkv, R*G, D [+ 1])
+        size = (self.batch * self.kv_heads, q_block.shape[1], k_block.shape[1])
+        if transposed:
+            tile = self.tile("scores_t", size[0], size[2], size[1])
+            scores = torch.bmm(k_block, q_block.transpose(1, 2), out=tile)  # (B*Hkv, C, R*G)
+        else:
+            tile = self.tile("scores", *size)
+            scores = torch.bmm(q_block, k_block.transpose(1, 2), out=tile)  # (B*Hkv, R*G, C)
+        whole = fully_visible(rows, columns, self.past, self.causal, self.window)
+        padded = columns.stop > self.shortest
+        if whole and not padded and self.mask is None:
+            return scores
+        tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
+        if self.mask is not None:
+            part = self.mask[
+                :,
+                :,
+                slice(rows.start, rows.stop) if self.mask.shape[2] > 1 else slice(None),
+                :,
+                slice(columns.start, columns.stop) if self.mask.shape[4] > 1 else slice(None),
+            ]
+            if part.dtype == torch.bool:
+                tile.masked_fill_(~part, NEG_INF)
+            else:
+                tile.add_(part.to(tile.dtype), alpha=self.units.unit)
+                if self.careful:  # NaN + -inf is NaN: hide what the mask hides
+                    tile.masked_fill_(part == NEG_INF, NEG_INF)
+        if not whole:
+            if self.careful:
+                tile.masked_fill_(self._edge(rows, columns).unsqueeze(1) == NEG_INF, NEG_INF)
+            else:
+                tile.add_(self._edge(rows, columns).unsqueeze(1))  # (R, 1, C) over the group
+        if padded:
+            present = padding_mask(self.key_lengths, columns)  # (B, 1, 1, C)
+            tile.masked_fill_(~present.unsqueeze(1), NEG_INF)  # (B, 1, 1, 1, C)
+        return scores
+
+
+def _fold(x: Tensor, kv_heads: int, scale: float, dtype: torch.dtype, extra: float | None):
+    """(B, H, L, D) -> (B, Hkv, L, G, D [+ 1]) contiguous, in ``dtype``, times ``scale``.
+
+    The upcast comes first, so low-precision inputs are scaled in the accumulation dtype. With
+    ``extra`` the last dimension gains one column of that value. For keys it is 1, and for
+    queries it holds each row's shift, so one matmul gives ``scores - shift`` and the
+    subtraction costs no pass over the tile.
+    """
+    batch, heads, length, head_size = x.shape
+    folded = x.view(batch, kv_heads, heads // kv_heads, length, head_size).transpose(2, 3)
+    if extra is None:
+        folded = folded.to(dtype)
+        return (folded if scale == 1.0 else folded * scale).contiguous()  # keys: often no copy
+    out = folded.new_empty(*folded.shape[:-1], head_size + 1, dtype=dtype)
+    out[..., :head_size] = folded
+    if scale != 1.0:
+        out[..., :head_size] *= scale
+    out[..., head_size] = extra
+    return out
+
+
+def unfold_heads(rows: Tensor) -> Tensor:
+    """(B, Hkv, Q, G, ...) -> (B, H, Q, ...): the inverse of the fold, for outputs."""
+    batch, kv_heads, q_len, group = rows.shape[:4]
+    return rows.transpose(2, 3).reshape(batch, kv_heads * group, q_len, *rows.shape[4:])
+
+
+def _fold_rows(x: Tensor, kv_heads: int, dtype: torch.dtype) -> Tensor:
+    """A per-row statistic (B, H, Q) as (B, Hkv, Q, G, 1), to sit beside folded queries."""
+    return _fold(x.unsqueeze(-1), kv_heads, 1.0, dtype, None)
+
+
+def _fold_mask(mask: Tensor | None, heads: int, kv_heads: int) -> Tensor | None:
+    """A mask broadcastable to (B, H, Q, K) as (b, Hkv|1, Q|1, G|1, K|1) to match the fold."""
+    if mask is None:
+        return None
+    mask = as_4d(mask)  # (b, h, q, k)
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(3)  # (b, 1, q, 1, k)
+    batch, _, q_len, k_len = mask.shape
+    return mask.view(batch, kv_heads, heads // kv_heads, q_len, k_len).transpose(2, 3)
+
+
+def _as_3d(x: Tensor) -> Tensor:
+    """(B, Hkv, R, C) -> (B*Hkv, R, C) view, for the batched matmuls.
+
+    A view, never a copy: the in-place matmuls write through it. The callers keep their
+    tensors contiguous, so slicing rows or keys keeps the first two dims mergeable.
+    """
+    return x.view(-1, *x.shape[-2:]) if x.dim() == 4 else x
+
+
+def _all_finite(*tensors: Tensor | None) -> bool:
+    """One pass over the inputs (O(T·D), against the O(T²·D) attention) decides whether the
+    NaN-safe masking is needed at all."""
+    return all(t is None or not t.is_floating_point() or bool(t.isfinite().all()) for t in tensors)
+
+
+class OnlineSoftmax:
+    """The online softmax of one query block: per-row shift, running sum, unnormalised output.
+
+    In the walk's units and relative to ``shift``: ``running_sum = sum exp(score - shift)`` and
+    ``acc = sum exp(score - shift) * value`` over the keys read so far. With ``fused`` the
+    shift lives in the query block's extra column (as ``-shift``), so the score matmul
+    subtracts it; without, it is subtracted after the float mask is added, so a mask value far
+    from the shift never cancels against it.
+    """
+
+    def __init__(self, walk: BlockWalk, q_block: Tensor, rows: range, fused: bool, head_size):
+        self.walk, self.q_block, self.rows, self.fused = walk, q_block, rows, fused
+        self.shift = q_block.new_zeros(walk.batch * walk.kv_heads, q_block.shape[2], 1)
+        self.running_sum = torch.zeros_like(self.shift)  # (B*Hkv, R, 1)
+        self.acc = self.shift.new_zeros(*self.shift.shape[:-1], head_size)  # (B*Hkv, R, D)
+        self.unset = True  # some rows have not seen a key yet: their shift is a placeholder
+
+    def scores(self, columns: range) -> Tensor:
+        """``(B*Hkv, R, C)`` scores of one key block minus the shift, hidden places -inf."""
+        scores = self.walk.scores(self.q_block, self.rows, columns)
+        return scores if self.fused else scores.sub_(self.shift)
+
+    def rebase(self, columns: range) -> Tensor:
+        """Scores of one key block, with each row's shift moved up to the block's maximum.
+
+        The scores are recomputed from nothing (not from scores relative to the old shift,
+        which would round them to the old shift's precision), so the result is as exact as a
+        first block. Rows that have seen no key take this block's maximum, up or down; the
+        others only move up, and what they summed is rescaled by ``exp(old - new) <= 1``.
+        """
+        if self.fused:
+            self.q_block[..., -1:] = 0.0
+        scores = self.walk.scores(self.q_block, self.rows, columns)  # (B*Hkv, R, C), absolute
+        block_max = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
+        empty = self.running_sum == 0
+        shift = torch.where(empty, block_max, torch.maximum(self.shift, block_max))
+        shift.masked_fill_(shift == NEG_INF, 0.0)  # rows that see nothing here either
+        correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
+        self.running_sum.mul_(correction)
+        self.acc.mul_(correction)
+        self.shift = shift
+        if self.fused:
+            self.q_block[..., -1:] = -shift.view(*self.q_block.shape[:-1], 1)
+        return scores.sub_(shift)
+
+    def output(self) -> Tensor:
+        """Normalised output ``(B*Hkv, R, D)``; rows that saw no key are 0."""
+        seen = self.running_sum > 0
+        return self.acc.div_(torch.where(seen, self.running_sum, 1.0))
+
+
+def forward_rows(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    past: int,
+    causal: bool,
+    window: int,
+    mask: Tensor | None,
+    scale: float,
+    block: tuple[int, int],
+    key_lengths: Tensor | None,
+) -> tuple[Tensor, RowStats]:
+    """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`."""
+    dtype = accumulation_dtype(query.dtype)
+    heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
+    units = Units.choose(mask, dtype)
+    if 0 in query.shape or 0 in key.shape:  # no rows, or no keys to see: zeros, as naive gives
+        nothing = query.new_zeros(query.shape[:-1], dtype=dtype)  # (B, H, Q)
+        return query.new_zeros(query.shape, dtype=dtype), RowStats(nothing, nothing, units)
+    careful = not _all_finite(query, key, value, mask)
+    float_mask = mask is not None and mask.is_floating_point()
+    rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
+    # The fused shift costs a copy of the keys with a column of ones: worth it when each key
+    # block meets many query rows, not when decoding one token against a long cache. A float
+    # mask must be added before the shift is subtracted, so it is never fused.
+    fused = rows_per_block >= FUSED_SHIFT_ROWS and not float_mask
+    extra = 0.0 if fused else None
+    folded = _fold(query, kv_heads, scale * units.unit, dtype, extra)  # (B, Hkv, Q, G, D [+ 1])
+    keys = _fold(key, kv_heads, 1.0, dtype, 1.0 if fused else None).squeeze(3)  # (B, Hkv, K, ·)
+    value = value.to(dtype).contiguous()  # (B, Hkv, K, D)
+    broken = None
+    if careful:
+        # 0 x NaN is NaN: a value a row cannot see must not reach it through a zero weight.
+        # Values are summed clean, and a row that can see a non-finite value is poisoned.
+        broken = ~value.isfinite()  # (B, Hkv, K, D)
+        value = value.masked_fill(broken, 0.0)
+        broken = _as_3d(broken.to(dtype))
+    walk = BlockWalk(
+        folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
+        key_lengths, careful,
+    )  # fmt: skip
+    out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
+    shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
+    total = torch.empty_like(shift)  # (B, Hkv, Q, G)
+
+    for rows in walk.query_blocks():
+        state = OnlineSoftmax(walk, walk.rows(folded, rows), rows, fused, head_size)
+        poison = None
+        for columns in walk.key_blocks(rows):
+            scores = state.rebase(columns) if state.unset else state.scores(columns)
+            visible = scores != NEG_INF if careful else None  # (B*Hkv, R, C)
+            weights = units.exp_(scores)  # (B*Hkv, R, C), in place of the scores
+            block_sum = weights.sum(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
+            if not bool(block_sum.max() <= CEILING):  # also catches inf and NaN
+                # A score rose far above its row's shift: redo the block with the shift moved.
+                weights = units.exp_(state.rebase(columns))
+                block_sum = weights.sum(dim=-1, keepdim=True)
+            state.running_sum += block_sum
+            keys_here = slice(columns.start, columns.stop)
+            state.acc.baddbmm_(weights, _as_3d(value[:, :, keys_here]))
+            if careful:
+                seen_broken = torch.bmm(visible.to(dtype), broken[:, keys_here]) > 0
+                poison = seen_broken if poison is None else poison | seen_broken
+            if state.unset:
+                state.unset = bool((state.running_sum == 0).any())
+        result = state.output()  # (B*Hkv, R, D)
+        if poison is not None:
+            result.masked_fill_(poison, float("nan"))
+        shape = (walk.batch, kv_heads, len(rows), walk.group)
+        out[:, :, rows.start : rows.stop] = result.view(*shape, head_size)
+        shift[:, :, rows.start : rows.stop] = state.shift.view(shape)
+        total[:, :, rows.start : rows.stop] = state.running_sum.view(shape)
+    return unfold_heads(out), RowStats(unfold_heads(shift), unfold_heads(total), units)
+
+
+def attend_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    past: int,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    key_lengths: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of ``query`` over one chunk of keys: the forward block steps as a function.
+
+    ``query (B, H, Q, D)``, ``key``/``value (B, Hkv, K, D)``; query row ``i`` sits at key
+    position ``past + i`` of this chunk. Inputs are not validated here (the public functions do
+    that). Returns ``out (B, H, Q, D)`` normalised, and ``lse (B, H, Q)``, both in the
+    accumulation dtype; rows that see no key get ``out = 0`` and ``lse = -inf``. Two such
+    partial results over disjoint key chunks combine exactly with :func:`merge`.
+
+    Softmax is invariant to a per-row shift, so the shift need not be the exact running
+    maximum: it is set from each row's first visible block and moves up only when a later
+    block's weights sum past ``CEILING`` (or overflow), in which case that block is recomputed
+    against the new shift. The usual block therefore costs no maximum pass and no rescale.
+    """
+    out, rows = forward_rows(
+        query, key, value, past=past, causal=causal, window=window, mask=mask, scale=scale,
+        block=block, key_lengths=key_lengths,
+    )  # fmt: skip
+    return out, rows.lse()
+
+
+def attend_backward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    grad_out: Tensor,
+    lse: Tensor | RowStats,
+    delta: Tensor,
+    *,
+    past: int,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    key_lengths: Tensor | None = None,
+    grad_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one query chunk against one key chunk: the backward block steps.
+
+    ``lse`` (or the forward's exact :class:`RowStats`) and ``delta = rowsum(grad_out * out)``
+    are ``(B, H, Q)`` over *all* keys the queries attend to (global, when keys are split across
+    calls or processes), so each chunk's probabilities ``exp(score - shift) / total`` are
+    exact. Returns ``dq (B, H, Q, D)`` and ``dk``/``dv (B, Hkv, K, D)`` in the accumulation
+    dtype, summed over each GQA group. When ``grad_mask`` (folded like the mask, full size) is
+    given, the scores' gradient is written into it.
+    """
+    dtype = accumulation_dtype(query.dtype)
+    heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
+    if 0 in query.shape or 0 in key.shape:
+        zeros = (torch.zeros_like(x, dtype=dtype) for x in (query, key, value))
+        return tuple(zeros)
+    if isinstance(lse, Tensor):  # the log-sum-exp alone: shift by it, total 1
+        units = Units.choose(mask, dtype)
+        seen = lse > NEG_INF
+        lse = RowStats((lse.to(dtype) * units.unit).masked_fill(~seen, 0.0), seen.to(dtype), units)
+    units = lse.units
+    float_mask = mask is not None and mask.is_floating_point()
+    fused = not float_mask and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
+    folded = _fold(query, kv_heads, scale * units.unit, dtype, 0.0 if fused else None)
+    shift = _fold_rows(lse.shift, kv_heads, dtype)  # (B, Hkv, Q, G, 1), in units
+    if fused:  # the extra column holds -shift, so the matmul yields scores - shift
+        folded[..., head_size:] = -shift
+    # p = exp(score - shift) / total. The 1 / total rides on grad_out and delta (rows that see
+    # nothing get 0), so no pass over the tile divides: dv += e @ (do / total) and
+    # ds = e * (v @ (do / total) - delta / total).
+    total = _fold_rows(lse.total, kv_heads, dtype)  # (B, Hkv, Q, G, 1)
+    inverse = torch.where(total > 0, 1.0 / total, 0.0)
+    keys = _fold(key, kv_heads, 1.0, dtype, 1.0 if fused else None).squeeze(3)  # (B, Hkv, K, ·)
+    grad_folded = _fold(grad_out, kv_heads, 1.0, dtype, None) * inverse  # (B, Hkv, Q, G, D)
+    delta = _fold_rows(delta, kv_heads, dtype) * inverse  # (B, Hkv, Q, G, 1)
+    value = value.to(dtype).contiguous()  # (B, Hkv, K, D)
+    careful = not _all_finite(query, key, value, mask)
+    walk = BlockWalk(
+        folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
+        key_lengths, careful,
+    )  # fmt: skip
+    # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
+    key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
+    value = _as_3d(value)  # (B*Hkv, K, D)
+    grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
+    grad_key = torch.zeros_like(value)  # (B*Hkv, K, D), in units of folded queries
+    grad_value = torch.zeros_like(value)  # (B*Hkv, K, D)
+
+    # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
+    for rows in walk.query_blocks():
+        q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
+        q_plain = _as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
+        shift_row = None if fused else _as_3d(walk.rows(shift, rows)).transpose(1, 2)
+        do_block = _as_3d(walk.rows(grad_folded, rows))  # (B*Hkv, R, D)
+        delta_row = _as_3d(walk.rows(delta, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
+        dq_t = q_plain.new_zeros(q_plain.shape[0], head_size, q_plain.shape[1])  # (B*Hkv, D, R)
+        for columns in walk.key_blocks(rows):
+            keys_here = slice(columns.start, columns.stop)
+            products = walk.tile("products", value.shape[0], len(columns), head_size)
+            probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (B*Hkv, C, R)
+            if shift_row is not None:
+                probs_t.sub_(shift_row)
+            units.exp_(probs_t)  # exp(score - shift): probabilities times total
+            grad_value[:, keys_here] += torch.bmm(probs_t, do_block, out=products)
+            grad_scores_t = torch.bmm(
+                value[:, keys_here], do_block.transpose(1, 2),
+                out=walk.tile("grad_t", *probs_t.shape),
+            )  # (B*Hkv, C, R), d loss / d probsᵀ  # fmt: skip
+            grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
+            grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
+            dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
+            if grad_mask is not None:
+                grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
+                    grad_scores_t, rows, columns, transposed=True
+                )
+        grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
+            walk.batch, kv_heads, len(rows), walk.group, head_size
+        )
+    kv_shape = (walk.batch, kv_heads, walk.k_len, head_size)
+    grad_key, grad_value = grad_key.view(kv_shape), grad_value.view(kv_shape)
+    # grad_key was taken against scale * unit * q; dividing by the unit brings it to scale * q.
+    return unfold_heads(grad_query.mul_(scale)), grad_key.div_(units.unit), grad_value
+
+
+def merge(out: Tensor, lse: Tensor, other_out: Tensor, other_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial attentions of the same queries over disjoint keys, exactly.
+
+    Each ``out (..., D)`` is normalised over its own keys with log-sum-exp ``lse (...)``; the
+    result is attention over the union. Rows that saw nothing on one side take the other side.
+    """
+    total = torch.logaddexp(lse, other_lse)  # (...), -inf only where both are -inf
+    safe = total.masked_fill(total == NEG_INF, 0.0)
+    weight = (lse - safe).exp().unsqueeze(-1)  # (..., 1)
+    other_weight = (other_lse - safe).exp().unsqueeze(-1)  # (..., 1)
+    return out * weight + other_out * other_weight, total

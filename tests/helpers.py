@@ -1,0 +1,77 @@
+"""Test helpers: inputs, a float64 reference written independently of octlm, the verdict."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from octlm.equality import judge
+
+
+def make_qkv(
+    batch=2, heads=4, kv_heads=2, q_len=33, k_len=None, head_size=32, dtype=torch.float32,
+    seed=0, requires_grad=False,
+):  # fmt: skip
+    """Random query, key, value in the tested dtype (drawn in fp64, so every dtype sees the
+    same numbers up to rounding)."""
+    k_len = q_len if k_len is None else k_len
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, q_len, head_size)] + 2 * [(batch, kv_heads, k_len, head_size)]
+    tensors = [torch.randn(s, generator=generator, dtype=torch.float64).to(dtype) for s in shapes]
+    return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+def reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    key_lengths: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention in float64 from the definition, sharing no code with octlm.
+
+    Visibility is built from absolute positions: query row i is at position k_len - q_len + i.
+    """
+    query, key, value = query.double(), key.double(), value.double()
+    batch, heads, q_len, head_size = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    owner = torch.arange(heads) // (heads // kv_heads)  # kv head read by each query head
+    key, value = key[:, owner], value[:, owner]
+    scale = head_size**-0.5 if scale is None else scale
+    scores = torch.einsum("bhqd,bhkd->bhqk", query, key) * scale
+    position = (k_len - q_len + torch.arange(q_len)).view(-1, 1)
+    column = torch.arange(k_len).view(1, -1)
+    visible = torch.ones(q_len, k_len, dtype=torch.bool)
+    if causal:
+        visible = visible & (column <= position)
+    if window:
+        visible = visible & (position - column < window)
+    visible = visible.expand(batch, heads, q_len, k_len)
+    if key_lengths is not None:
+        visible = visible & (column < key_lengths.view(-1, 1, 1, 1))
+    if mask is not None and mask.dtype == torch.bool:
+        visible = visible & mask
+    elif mask is not None:
+        scores = scores + mask.double()
+        visible = visible & (mask.double() != float("-inf"))  # only -inf hides
+    scores = torch.where(visible, scores, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(top.isinf(), torch.zeros_like(top), top)
+    weights = (scores - top).exp()
+    total = weights.sum(dim=-1, keepdim=True)
+    weights = weights / torch.where(total == 0, torch.ones_like(total), total)
+    if value.isfinite().all():
+        return torch.einsum("bhqk,bhkd->bhqd", weights, value)
+    # A value a row cannot see must not reach it, even times a zero weight: sum term by term.
+    terms = weights[..., None] * value[:, :, None]  # (B, H, Q, K, D)
+    return torch.where(visible[..., None], terms, 0.0).sum(dim=-2)
+
+
+def assert_judged(tested: Tensor, base: Tensor, golden: Tensor, factor: float = 2.0) -> None:
+    """docs/design.md §4: within factor x the plain method's error (+ atol) of the fp64 golden."""
+    verdict = judge(tested, base, golden, factor=factor)
+    assert verdict.passed, str(verdict)
