@@ -1,5 +1,5 @@
 """The model: every attention implementation gives the same logits, gradients, cached decoding,
-generations and training curve as the naive reference (DESIGN §3-4)."""
+generations and training curve as the naive reference (docs/design.md §3-4)."""
 
 from __future__ import annotations
 
@@ -352,6 +352,18 @@ def test_cache_and_generate_stop_at_max_length():
         model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match=r"makes 65 positions, more than max_length=64"):
         model.generate(torch.zeros(1, 60, dtype=torch.long), 5)
+
+
+def test_cache_capacity_bounds_the_buffers_and_is_refused_when_exceeded():
+    model = OctLM(SMALL).eval()
+    cache = KVCache(SMALL, capacity=10)
+    model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
+    assert cache.keys[0].shape == (1, SMALL.n_heads, 10, SMALL.head_size)
+    with pytest.raises(ValueError, match=r"8 cached \+ 3 new positions exceed .* capacity of 10"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    assert cache.length == 8
+    with pytest.raises(ValueError, match=r"capacity must be an int in \[1, max_length=64\]"):
+        KVCache(SMALL, capacity=65)
 
 
 def test_bad_positions_and_cache_batch_raise():

@@ -119,21 +119,28 @@ def differing_fields(first: ModelConfig, second: ModelConfig) -> list[str]:
 class KVCache:
     """Per-layer keys and values (after RoPE), in buffers allocated once and written in place.
 
-    Each layer holds a key and a value buffer ``(B, Hkv, S, D)`` with ``S = max_length``, or
-    ``S = min(window, max_length)`` with a window: a ring in which position ``p`` lives in slot
-    ``p % S``. ``length`` counts every position seen, which is where the next token's RoPE
-    position starts. The buffers are allocated at the first call, with that call's batch and
-    the model's dtype and device; a later call that differs in any of them, or a model of
-    another config (beyond how it runs: attention, block, kernel, dropout), is refused before
-    anything is written. The buffers are written in place, so autograd cannot reach through a
-    call into the ones before it: the cache is for inference.
+    ``capacity`` is the most positions the cache will take (``max_length`` by default;
+    ``generate`` asks for the prompt plus the new tokens). Each layer holds a key and a value
+    buffer ``(B, Hkv, S, D)`` with ``S = capacity``, or ``S = min(window, capacity)`` with a
+    window: a ring in which position ``p`` lives in slot ``p % S``. ``length`` counts every
+    position seen, which is where the next token's RoPE position starts.
+
+    The buffers are allocated at the first call, with that call's batch and the model's dtype
+    and device. A call that differs in any of them, would pass ``capacity``, or comes from a
+    model of another config (beyond how it runs: attention, block, kernel, dropout) is refused
+    before anything is written. The buffers are written in place, so autograd cannot reach
+    through a call into the ones before it: the cache is for inference.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, capacity: int | None = None):
+        capacity = config.max_length if capacity is None else capacity
+        if not is_int_at_least(capacity, 1) or capacity > config.max_length:
+            raise ValueError(
+                f"capacity must be an int in [1, max_length={config.max_length}], got {capacity!r}"
+            )
         self.config = replace(config)  # a copy: the cache stays bound to what it was made for
-        self.size = (
-            config.max_length if config.window == 0 else min(config.window, config.max_length)
-        )
+        self.capacity = capacity
+        self.size = capacity if config.window == 0 else min(config.window, capacity)
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.batch: int | None = None
@@ -142,18 +149,22 @@ class KVCache:
         self.length = 0
 
     def prepare(
-        self, config: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device
+        self, config: ModelConfig, tokens: Tensor, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Check that a call fits this cache; allocate the buffers at the first call.
-
-        Raises ``ValueError`` before anything is written, so a refused call leaves the cache as
-        it was.
-        """
+        """Check that a call of ``tokens (B, T)`` fits this cache; allocate the buffers at the
+        first call. Raises ``ValueError`` before anything is written, so a refused call leaves
+        the cache as it was."""
         differences = differing_fields(self.config, config)
         if differences:
             raise ValueError(
                 f"this KVCache was made for another model config ({'; '.join(differences)}, "
                 "cache vs model): make one with KVCache(model.config)"
+            )
+        batch, length = tokens.shape
+        if self.length + length > self.capacity:
+            raise ValueError(
+                f"{self.length} cached + {length} new positions exceed the cache's capacity "
+                f"of {self.capacity}"
             )
         if self.keys:
             if batch != self.batch:
@@ -404,7 +415,7 @@ class OctLM(nn.Module):
         positions = self._positions(tokens, past, positions)  # (T,)
         if cache is not None:  # every check before the first layer writes into the cache
             weight = self.embedding.weight
-            cache.prepare(self.config, tokens.shape[0], weight.dtype, weight.device)
+            cache.prepare(self.config, tokens, weight.dtype, weight.device)
         rope = (self.cos[positions], self.sin[positions])  # (T, D) x 2
         x = self.embedding(tokens)  # (B, T, C)
         for block in self.blocks:
@@ -481,7 +492,7 @@ class OctLM(nn.Module):
                 f"prompt of {prompt.shape[1]} plus max_new_tokens={max_new_tokens} makes "
                 f"{total} positions, more than max_length={self.config.max_length}"
             )
-        cache = KVCache(self.config)
+        cache = KVCache(self.config, capacity=total)
         tokens = [prompt]
         logits = self(prompt, cache=cache)[:, -1]  # (B, V)
         for step in range(max_new_tokens):
