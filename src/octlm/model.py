@@ -524,7 +524,7 @@ def checksum(state: dict) -> str:
         if isinstance(value, Tensor):
             digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
             flat = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # raw bytes
-            digest.update(flat.numpy().tobytes())
+            digest.update(flat.numpy())
         else:
             digest.update(repr(value).encode())
     return digest.hexdigest()
