@@ -23,6 +23,11 @@ accumulation dtype that every rank adds its contribution to, and one last pass h
 finished gradients to their owner. Each block uses the global ``lse`` and
 ``delta = rowsum(dO * O)``, both local to the query's owner.
 
+Before the first exchange the ranks agree: one ``all_gather_object`` swaps each rank's dtype,
+device type, shapes and options (causal, window, layout, scale, block, ...) and the error its
+own checks raised, if any. Any difference, or any rank's error, raises one ``ValueError`` on
+every rank, so none computes under other rules than its peers or waits on one that gave up.
+
 Communication is point-to-point (``dist.batch_isend_irecv``), device-agnostic: ``gloo`` with CPU
 tensors, ``nccl`` with CUDA tensors. ``gloo`` carries bfloat16 and float16 as they are (checked
 with torch 2.13), so no reinterpretation is needed; gradients travel in float32 for those.
