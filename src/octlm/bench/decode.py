@@ -164,7 +164,7 @@ def measure(args: argparse.Namespace, context: int, generator: torch.Generator) 
                 median, iqr = quartiles(seconds)
                 write("decode", name, meter, round=round_, new_tokens=args.new_tokens,
                       seconds=sum(seconds), seconds_per_token_median=median,
-                      seconds_per_token_iqr=iqr,
+                      seconds_per_token_iqr=iqr, seconds_per_token=seconds,
                       tokens_per_second=args.new_tokens * args.batch / sum(seconds),
                       tokens=tokens.tolist())  # fmt: skip
         cache.length = context
@@ -176,7 +176,7 @@ def measure(args: argparse.Namespace, context: int, generator: torch.Generator) 
                     median, iqr = quartiles(seconds)
                     write("attention", name, meter, round=round_, layout=layout, q_len=1,
                           k_len=context, repeats=args.repeats, seconds_median=median,
-                          seconds_iqr=iqr)  # fmt: skip
+                          seconds_iqr=iqr, seconds=seconds)  # fmt: skip
     return written
 
 
@@ -209,7 +209,11 @@ def report(written: list[dict]) -> str:
             )
             note = f"same tokens: {same}"
         else:
-            note = f"{layout} keys"
+            fastest = {name: min(min(pair[name]["seconds"]) for pair in rounds.values())
+                       for name in ATTENTIONS}  # fmt: skip
+            note = f"{layout} keys; fastest call " + ", ".join(
+                f"{name} {seconds * 1e3:.3f} ms" for name, seconds in fastest.items()
+            )
         load = statistics.median(
             r["loadavg_before"] for pair in rounds.values() for r in pair.values()
         )
