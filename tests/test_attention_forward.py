@@ -10,14 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octlm.attention import naive_attention, sdpa_attention, tiled_attention
+from octlm.attention import IMPLEMENTATIONS as REGISTRY
+from octlm.attention import naive_attention, tiled_attention
 from tests.helpers import assert_judged, make_qkv, reference
 
-IMPLEMENTATIONS = {
-    "naive": naive_attention,
-    "sdpa": sdpa_attention,
-    "tiled": lambda *args, block=(64, 32), **kw: tiled_attention(*args, block=block, **kw),
-}
+
+def _bound(name):
+    """The registered function, with small tiles where it takes them (several blocks here)."""
+    impl = REGISTRY[name]
+    if "block" not in impl.tuning:
+        return impl.function
+    return lambda *args, **kw: impl.function(*args, block=(64, 32), **kw)
+
+
+# Every implementation one process can run; ring has its own distributed tests.
+IMPLEMENTATIONS = {name: _bound(name) for name, impl in REGISTRY.items() if not impl.distributed}
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
@@ -116,7 +123,8 @@ def test_rows_that_see_no_key_are_zero(name):
     out = IMPLEMENTATIONS[name](query, key, value, mask=mask)
     assert not out.isnan().any()
     assert out[:, :, :10].abs().max() == 0 and out[:, :, 15].abs().max() == 0
-    assert out[:, :, 16:].abs().min() >= 0 and out[:, :, 16:].abs().max() > 0
+    seeing = torch.cat([out[:, :, 10:15], out[:, :, 16:]], dim=2)  # rows that see some key
+    assert (seeing.abs().amax(dim=-1) > 0).all()
     check(name, query, key, value, mask=mask)
     empty = IMPLEMENTATIONS[name](query, key, value, key_lengths=torch.tensor([0, 20]))
     assert empty[0].abs().max() == 0 and not empty.isnan().any()

@@ -1,10 +1,10 @@
 """The model: every attention implementation gives the same logits, gradients, cached decoding,
-generations and training curve as the naive reference (DESIGN §3-4)."""
+generations and training curve as the naive reference (docs/design.md §3-4)."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -91,11 +91,14 @@ def test_cached_decoding_matches_full_forward(attention, window, chunks):
     tokens = tokens_for(2, sum(chunks))
     full = model(tokens)
     cache = KVCache(config)
-    pieces = []
+    pieces, buffers = [], None
     for chunk in tokens.split(chunks, dim=1):
         pieces.append(model(chunk, cache=cache))
-        if window:  # the cache keeps only what the next query can still see
-            assert all(key.shape[2] <= window - 1 for key in cache.keys)
+        # Allocated once, at the first call, and written in place after: with a window the
+        # buffers hold only the window (a ring), without one every position up to max_length.
+        buffers = buffers or [buffer.data_ptr() for buffer in cache.keys + cache.values]
+        assert [buffer.data_ptr() for buffer in cache.keys + cache.values] == buffers
+        assert {key.shape[2] for key in cache.keys} == {window or config.max_length}
     assert cache.length == tokens.shape[1]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-10)
 
@@ -160,11 +163,130 @@ def test_state_dict_round_trip():
     model = same_weights(replace(SMALL, n_kv_heads=2))["naive"]
     state = model.state_dict()
     assert "cos" not in state and "sin" not in state  # recomputed from the config
+    assert state["_extra_state"] == {"config": asdict(model.config)}
     torch.manual_seed(123)
     restored = OctLM(model.config)
     restored.load_state_dict(state)
     tokens = tokens_for(2, 20)
     assert torch.equal(restored(tokens), model(tokens))
+
+
+def snapshot(cache: KVCache) -> tuple:
+    return cache.length, [t.clone() for t in cache.keys + cache.values]
+
+
+@pytest.mark.parametrize(
+    ("other", "match"),
+    [
+        ({"window": 0}, r"window=6 vs 0"),
+        ({"n_layers": 1}, r"n_layers=2 vs 1"),
+        ({"n_layers": 3}, r"n_layers=2 vs 3"),
+        ({"n_kv_heads": 4}, r"n_kv_heads=2 vs 4"),
+        ({"width": 32, "n_heads": 4}, r"width=64 vs 32"),
+        ({"max_length": 48}, r"max_length=64 vs 48"),
+        ({"rope_base": 500.0}, r"rope_base=10000.0 vs 500.0"),
+        ({"dtype": torch.float32}, r"cache holds torch.float64 on cpu but the model runs in "),
+        ({"batch": 1}, r"cache holds batch 2 but tokens have batch 1"),
+    ],
+)
+def test_cache_for_another_model_is_refused_before_anything_is_written(other, match):
+    config = replace(SMALL, n_kv_heads=2, window=6)
+    torch.manual_seed(0)
+    model = OctLM(config).double().eval()
+    tokens = tokens_for(2, 12)
+    cache = KVCache(config)
+    model(tokens[:, :8], cache=cache)
+    before = snapshot(cache)
+    dtype, batch = other.pop("dtype", torch.float64), other.pop("batch", 2)
+    wrong = OctLM(replace(config, **other)).to(dtype).eval()
+    with pytest.raises(ValueError, match=match):
+        wrong(tokens[:batch, 8:9], cache=cache)
+    length, buffers = snapshot(cache)
+    assert length == before[0]
+    assert all(torch.equal(a, b) for a, b in zip(buffers, before[1], strict=True))
+    # The cache still serves its own model: decoding on gives the full forward's logits.
+    rest = torch.cat([model(tokens[:, i : i + 1], cache=cache) for i in range(8, 12)], dim=1)
+    torch.testing.assert_close(rest, model(tokens)[:, 8:], rtol=0, atol=1e-10)
+
+
+def test_a_cache_serves_a_model_that_runs_differently():
+    config = replace(SMALL, n_kv_heads=2, window=6)
+    models = same_weights(config, torch.float64)
+    tokens = tokens_for(2, 10)
+    cache = KVCache(config)
+    models["naive"].eval()(tokens[:, :7], cache=cache)
+    tail = models["tiled"].eval()(tokens[:, 7:], cache=cache)
+    torch.testing.assert_close(tail, models["naive"](tokens)[:, 7:], rtol=0, atol=1e-10)
+
+
+def test_saved_model_loads_with_its_config_and_weights(tmp_path):
+    config = replace(SMALL, n_kv_heads=2, window=9, rope_base=500.0, attention="naive")
+    model = same_weights(config)["naive"].eval()
+    model.save(tmp_path / "model.pt")
+    loaded = OctLM.load(tmp_path / "model.pt", attention="tiled").eval()
+    assert loaded.config == replace(config, attention="tiled")
+    tokens = tokens_for(2, 20)
+    torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=1e-5)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary left behind
+
+
+@pytest.mark.parametrize(
+    ("other", "match"),
+    [
+        ({"n_heads": 4, "n_kv_heads": 4}, r"n_heads=8 vs 4"),
+        ({"window": 16}, r"window=0 vs 16"),
+        ({"rope_base": 500.0}, r"rope_base=10000.0 vs 500.0"),
+        ({"max_length": 128}, r"max_length=64 vs 128"),
+    ],
+)
+def test_weights_of_another_config_are_refused(tmp_path, other, match):
+    model = OctLM(SMALL)
+    model.save(tmp_path / "model.pt")
+    torch.manual_seed(5)
+    target = OctLM(replace(SMALL, **other))
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(model.state_dict())
+    after = target.state_dict()
+    assert all(torch.equal(after[name], before[name]) for name in before if name != "_extra_state")
+    with pytest.raises(ValueError, match=match):
+        OctLM.load(tmp_path / "model.pt", **other)
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "model.pt"
+    OctLM(SMALL).save(path)
+    saved = path.read_bytes()
+
+    def torn_save(obj, out):
+        out.write(b"PK\x03\x04 half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="No space left"):
+        OctLM(replace(SMALL, window=3)).save(path)
+    assert path.read_bytes() == saved
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+@pytest.mark.parametrize("damage", ["torn", "flipped byte", "empty", "plain state dict"])
+def test_damaged_model_file_gives_a_clear_error(tmp_path, damage):
+    path = tmp_path / "model.pt"
+    model = OctLM(SMALL)
+    model.save(path)
+    data = bytearray(path.read_bytes())
+    if damage == "torn":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped byte":
+        data[len(data) // 2] ^= 0x01  # inside the weights: torch itself would not notice
+        path.write_bytes(data)
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        torch.save(model.state_dict(), path)
+    match = {"flipped byte": "checksum does not match", "plain state dict": "not an octlm model"}
+    with pytest.raises(ValueError, match=match.get(damage, r"torn or corrupted file\?")):
+        OctLM.load(path)
 
 
 def test_kv_heads_default_to_heads():
@@ -204,6 +326,16 @@ def test_config_rejects_bad_fields(fields, match):
         (torch.zeros(1, 65, dtype=torch.long), ValueError, r"65 positions .* max_length=64"),
         (torch.tensor([[1, 2]], dtype=torch.int32), TypeError, r"int64 tensor, got torch.int32"),
         (torch.tensor([1, 2]), ValueError, r"shape \(batch, length\)"),
+        (
+            torch.zeros(0, 5, dtype=torch.long),
+            ValueError,
+            r"batch >= 1 and length >= 1, got \(0, 5\)",
+        ),
+        (
+            torch.zeros(2, 0, dtype=torch.long),
+            ValueError,
+            r"batch >= 1 and length >= 1, got \(2, 0\)",
+        ),
     ],
 )
 def test_bad_tokens_raise(tokens, error, match):
@@ -220,6 +352,18 @@ def test_cache_and_generate_stop_at_max_length():
         model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match=r"makes 65 positions, more than max_length=64"):
         model.generate(torch.zeros(1, 60, dtype=torch.long), 5)
+
+
+def test_cache_capacity_bounds_the_buffers_and_is_refused_when_exceeded():
+    model = OctLM(SMALL).eval()
+    cache = KVCache(SMALL, capacity=10)
+    model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
+    assert cache.keys[0].shape == (1, SMALL.n_heads, 10, SMALL.head_size)
+    with pytest.raises(ValueError, match=r"8 cached \+ 3 new positions exceed .* capacity of 10"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    assert cache.length == 8
+    with pytest.raises(ValueError, match=r"capacity must be an int in \[1, max_length=64\]"):
+        KVCache(SMALL, capacity=65)
 
 
 def test_bad_positions_and_cache_batch_raise():

@@ -49,7 +49,18 @@ ATTENTION_CASES = {
     "causal-zigzag-gqa-bfloat16": (torch.bfloat16, True, 0, "zigzag", 4, 2),
 }
 MODEL_WINDOWS = (0, 10)
-ERROR_CASES = ("unequal-shards", "odd-zigzag-shard", "keys-not-queries")
+# name: what the error must say on every rank ("{last}" = the last rank, the odd one out)
+ERROR_CASES = {
+    "unequal-shards": ("differ in query shape", "rank 0: (2, 4, 8, 8)", "(2, 4, 12, 8)"),
+    "odd-zigzag-shard": ("refused on every rank", "even, got 7"),
+    "keys-not-queries": ("refused on every rank", "same positions"),
+    "dtype": ("differ in dtype", "rank 0: torch.float16", "torch.bfloat16"),
+    "window": ("differ in window", "rank {last}: 3"),
+    "layout": ("differ in layout", "rank {last}: plain"),
+    "causal": ("differ in causal", "rank {last}: False"),
+    "scale": ("differ in scale", "rank {last}: 0.5"),
+    "mask-on-one-rank": ("refused on every rank", "rank {last}: ValueError: ring_attention takes"),
+}
 
 
 def _attention_check(rank: int, world: int, case: tuple) -> str | None:
@@ -122,17 +133,27 @@ def _model_check(rank: int, world: int, window: int) -> str | None:
 
 
 def _error_check(rank: int, world: int, case: str) -> str | None:
-    """The bad call must raise ValueError on every rank (so none waits on the others)."""
+    """The bad call must raise one ValueError on every rank, so that no rank returns garbage
+    computed under other rules than its peers' or waits on a peer that has given up."""
+    last = rank == world - 1
     length = {"unequal-shards": 8 + 4 * rank, "odd-zigzag-shard": 7}.get(case, 8)
-    query, key, value = make_qkv(q_len=length, head_size=8, dtype=torch.float64)
+    dtype = {"dtype": torch.float16 if rank == 0 else torch.bfloat16}.get(case, torch.float64)
+    query, key, value = make_qkv(q_len=length, head_size=8, dtype=dtype)
     if case == "keys-not-queries":
         key, value = key[:, :, :4], value[:, :, :4]
+    options = {
+        "window": {"window": 3 if last else 0},
+        "layout": {"layout": "plain" if last else "zigzag"},
+        "causal": {"causal": not last},
+        "scale": {"scale": 0.5 if last else None},
+        "mask-on-one-rank": {"mask": torch.ones(8, 8, dtype=torch.bool) if last else None},
+    }.get(case, {})
     try:
-        ring_attention(query, key, value)
+        ring_attention(query, key, value, **options)
     except ValueError as error:
-        expected = {"unequal-shards": "same shape", "odd-zigzag-shard": "even"}
-        word = expected.get(case, "same positions")
-        return None if word in str(error) else f"message lacks {word!r}: {error}"
+        words = [word.format(last=world - 1) for word in ERROR_CASES[case]]
+        missing = [word for word in words if word not in str(error)]
+        return f"message lacks {missing}: {error}" if missing else None
     return "no ValueError raised"
 
 
@@ -187,7 +208,7 @@ def test_context_parallel_model_matches_single_process(ring_results, window):
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)
-def test_bad_shards_raise_on_every_rank(ring_results, case):
+def test_bad_or_mismatched_calls_raise_on_every_rank(ring_results, case):
     _assert_passed(ring_results, f"error/{case}")
 
 

@@ -12,8 +12,12 @@ heads in place, so the model never repeats them.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -97,36 +101,111 @@ class ModelConfig:
         return 8 * -(-self.width // 3)
 
 
-class KVCache:
-    """Per-layer keys and values (after RoPE) of the positions seen so far.
+# How a model runs, not what it computes: weights and caches move freely between configs that
+# differ only in these.
+RUNTIME_FIELDS = ("attention", "block", "kernel", "dropout")
 
-    ``length`` counts every position seen, which is where the next token's RoPE position
-    starts. With ``window > 0`` only the last ``window - 1`` positions are kept between calls:
-    the first new query sees itself and the ``window - 1`` positions before it, and every later
-    query sees less of the past. During a call the layer attends to those plus the new chunk;
-    what is kept is a view of that ``window - 1 + chunk`` tensor, freed by the next call.
+
+def differing_fields(first: ModelConfig, second: ModelConfig) -> list[str]:
+    """``"name=a vs b"`` for every field other than the runtime ones in which the configs differ."""
+    return [
+        f"{field.name}={getattr(first, field.name)!r} vs {getattr(second, field.name)!r}"
+        for field in fields(ModelConfig)
+        if field.name not in RUNTIME_FIELDS
+        and getattr(first, field.name) != getattr(second, field.name)
+    ]
+
+
+class KVCache:
+    """Per-layer keys and values (after RoPE), in buffers allocated once and written in place.
+
+    ``capacity`` is the most positions the cache will take (``max_length`` by default;
+    ``generate`` asks for the prompt plus the new tokens). Each layer holds a key and a value
+    buffer ``(B, Hkv, S, D)`` with ``S = capacity``, or ``S = min(window, capacity)`` with a
+    window: a ring in which position ``p`` lives in slot ``p % S``. ``length`` counts every
+    position seen, which is where the next token's RoPE position starts.
+
+    The buffers are allocated at the first call, with that call's batch and the model's dtype
+    and device. A call that differs in any of them, would pass ``capacity``, or comes from a
+    model of another config (beyond how it runs: attention, block, kernel, dropout) is refused
+    before anything is written. The buffers are written in place, so autograd cannot reach
+    through a call into the ones before it: the cache is for inference.
     """
 
-    def __init__(self, config: ModelConfig):
-        self.window = config.window
-        self.keys: list[Tensor | None] = [None] * config.n_layers
-        self.values: list[Tensor | None] = [None] * config.n_layers
+    def __init__(self, config: ModelConfig, capacity: int | None = None):
+        capacity = config.max_length if capacity is None else capacity
+        if not is_int_at_least(capacity, 1) or capacity > config.max_length:
+            raise ValueError(
+                f"capacity must be an int in [1, max_length={config.max_length}], got {capacity!r}"
+            )
+        self.config = replace(config)  # a copy: the cache stays bound to what it was made for
+        self.capacity = capacity
+        self.size = capacity if config.window == 0 else min(config.window, capacity)
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.batch: int | None = None
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
         self.length = 0
 
-    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Append one chunk's ``(B, Hkv, T, D)`` keys/values; return all the chunk attends to."""
-        if self.keys[layer] is not None:
-            key = torch.cat([self.keys[layer], key], dim=2)  # (B, Hkv, K, D)
-            value = torch.cat([self.values[layer], value], dim=2)  # (B, Hkv, K, D)
-        kept = key.shape[2] if self.window == 0 else min(key.shape[2], self.window - 1)
-        self.keys[layer] = key[:, :, key.shape[2] - kept :]
-        self.values[layer] = value[:, :, value.shape[2] - kept :]
-        return key, value
+    def prepare(
+        self, config: ModelConfig, tokens: Tensor, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Check that a call of ``tokens (B, T)`` fits this cache; allocate the buffers at the
+        first call. Raises ``ValueError`` before anything is written, so a refused call leaves
+        the cache as it was."""
+        differences = differing_fields(self.config, config)
+        if differences:
+            raise ValueError(
+                f"this KVCache was made for another model config ({'; '.join(differences)}, "
+                "cache vs model): make one with KVCache(model.config)"
+            )
+        batch, length = tokens.shape
+        if self.length + length > self.capacity:
+            raise ValueError(
+                f"{self.length} cached + {length} new positions exceed the cache's capacity "
+                f"of {self.capacity}"
+            )
+        if self.keys:
+            if batch != self.batch:
+                raise ValueError(f"cache holds batch {self.batch} but tokens have batch {batch}")
+            if (dtype, device) != (self.dtype, self.device):
+                raise ValueError(
+                    f"cache holds {self.dtype} on {self.device} but the model runs in {dtype} "
+                    f"on {device}"
+                )
+            return
+        shape = (batch, config.n_kv_heads, self.size, config.head_size)  # (B, Hkv, S, D)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.values = [torch.empty_like(key) for key in self.keys]
+        self.batch, self.dtype, self.device = batch, dtype, device
 
-    @property
-    def batch(self) -> int | None:
-        """Batch size of the cached tensors, None before the first call."""
-        return None if self.keys[0] is None else self.keys[0].shape[0]
+    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one chunk's ``(B, Hkv, T, D)`` keys/values at their positions; return the keys
+        and values the chunk attends to, ``(B, Hkv, K, D)``, laid out so that the bottom-right
+        causal and window rules over them hold."""
+        past, length = self.length, key.shape[2]
+        keys, values = self.keys[layer], self.values[layer]
+        if past + length <= self.size:  # no slot reused yet: slot = position
+            keys[:, :, past : past + length] = key
+            values[:, :, past : past + length] = value
+            return keys[:, :, : past + length], values[:, :, : past + length]  # views
+        if length == 1:
+            # The full ring holds exactly one window. The new key replaces the one this query
+            # can no longer see, and a single query sees every slot, so their order is moot.
+            keys[:, :, past % self.size] = key[:, :, 0]
+            values[:, :, past % self.size] = value[:, :, 0]
+            return keys, values  # (B, Hkv, S, D)
+        # A chunk's rows see different keys, so the window - 1 positions before the chunk are
+        # laid out in order ahead of it: one copy per chunk, never per decoded token.
+        before = torch.arange(max(0, past - self.size + 1), past, device=keys.device) % self.size
+        key = torch.cat([keys.index_select(2, before), key], dim=2)  # (B, Hkv, K, D)
+        value = torch.cat([values.index_select(2, before), value], dim=2)  # (B, Hkv, K, D)
+        kept = min(length, self.size)  # the chunk's last positions, which later calls see
+        slots = torch.arange(past + length - kept, past + length, device=keys.device) % self.size
+        keys.index_copy_(2, slots, key[:, :, -kept:])
+        values.index_copy_(2, slots, value[:, :, -kept:])
+        return key, value
 
 
 def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
@@ -248,6 +327,74 @@ class OctLM(nn.Module):
             if name.endswith(("attention.output.weight", "mlp.down.weight")):
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.n_layers))
 
+    def get_extra_state(self) -> dict:
+        """The config rides in the state dict (as ``_extra_state``), so that weights can be
+        checked against the model they are loaded into."""
+        return {"config": asdict(self.config)}
+
+    def set_extra_state(self, state: dict) -> None:
+        """Refuse weights saved from another config; ``load_state_dict`` calls this before it
+        copies any tensor, so a refused load leaves the model as it was."""
+        differences = differing_fields(saved_config(state), self.config)
+        if differences:
+            raise ValueError(
+                f"these weights come from a model of another config ({'; '.join(differences)}, "
+                "saved vs this model); build the model from the saved config, as OctLM.load does"
+            )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the weights, the config and a checksum to ``path``.
+
+        Atomic: the file is written beside ``path`` under another name, fsynced and renamed,
+        so a crash leaves the old file or the new one, never a torn one.
+        """
+        path = Path(path)
+        state = self.state_dict()
+        contents = {"format": FILE_FORMAT, "sha256": checksum(state), "state_dict": state}
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(descriptor, "wb") as out:
+                torch.save(contents, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a crash
+        finally:
+            os.close(directory)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, *, map_location: str | torch.device = "cpu", **changes
+    ) -> OctLM:
+        """The model :meth:`save` wrote to ``path``, built from the saved config.
+
+        ``changes`` may set how it runs (``attention``, ``block``, ``kernel``, ``dropout``);
+        any other field that differs from the saved one is refused with a ``ValueError``, as is
+        a file that is torn, corrupted or not an octlm model.
+        """
+        try:
+            contents = torch.load(path, map_location=map_location, weights_only=True)
+        except OSError:
+            raise
+        except Exception as error:  # torch reports a damaged file in many ways
+            raise ValueError(
+                f"cannot read an octlm model from {str(path)!r} (torn or corrupted file?): "
+                f"{type(error).__name__}: {str(error)[:200]}"
+            ) from error
+        if not isinstance(contents, dict) or contents.get("format") != FILE_FORMAT:
+            raise ValueError(f"{str(path)!r} is not an octlm model file written by OctLM.save")
+        state = contents["state_dict"]
+        if checksum(state) != contents["sha256"]:
+            raise ValueError(f"{str(path)!r} is corrupted: its checksum does not match")
+        model = cls(replace(saved_config(state.get("_extra_state")), **changes))
+        model.load_state_dict(state)
+        return model
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
@@ -265,11 +412,10 @@ class OctLM(nn.Module):
         """
         self._check_tokens(tokens)
         past = 0 if cache is None else cache.length
-        if cache is not None and cache.batch not in (None, tokens.shape[0]):
-            raise ValueError(
-                f"cache holds batch {cache.batch} but tokens have batch {tokens.shape[0]}"
-            )
         positions = self._positions(tokens, past, positions)  # (T,)
+        if cache is not None:  # every check before the first layer writes into the cache
+            weight = self.embedding.weight
+            cache.prepare(self.config, tokens, weight.dtype, weight.device)
         rope = (self.cos[positions], self.sin[positions])  # (T, D) x 2
         x = self.embedding(tokens)  # (B, T, C)
         for block in self.blocks:
@@ -282,9 +428,9 @@ class OctLM(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64:
             got = tokens.dtype if isinstance(tokens, Tensor) else type(tokens).__name__
             raise TypeError(f"tokens must be an int64 tensor, got {got}")
-        if tokens.dim() != 2 or tokens.shape[1] == 0:
+        if tokens.dim() != 2 or tokens.numel() == 0:
             raise ValueError(
-                f"tokens must have shape (batch, length) with length >= 1, "
+                f"tokens must have shape (batch, length) with batch >= 1 and length >= 1, "
                 f"got {tuple(tokens.shape)}"
             )
         low, high = int(tokens.min()), int(tokens.max())
@@ -346,7 +492,7 @@ class OctLM(nn.Module):
                 f"prompt of {prompt.shape[1]} plus max_new_tokens={max_new_tokens} makes "
                 f"{total} positions, more than max_length={self.config.max_length}"
             )
-        cache = KVCache(self.config)
+        cache = KVCache(self.config, capacity=total)
         tokens = [prompt]
         logits = self(prompt, cache=cache)[:, -1]  # (B, V)
         for step in range(max_new_tokens):
@@ -354,6 +500,34 @@ class OctLM(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self(tokens[-1], cache=cache)[:, -1]  # (B, V)
         return torch.cat(tokens, dim=1)
+
+
+FILE_FORMAT = "octlm.OctLM/1"
+
+
+def saved_config(state: object) -> ModelConfig:
+    """The config stored in a state dict's ``_extra_state``; ``ValueError`` if there is none."""
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+        raise ValueError(f"the weights carry no octlm model config, got extra state {state!r:.80}")
+    try:
+        return ModelConfig(**state["config"])
+    except TypeError as error:
+        raise ValueError(f"the saved model config is not one this octlm reads: {error}") from error
+
+
+def checksum(state: dict) -> str:
+    """SHA-256 over every entry of a state dict: names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        value = state[name]
+        digest.update(name.encode())
+        if isinstance(value, Tensor):
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            flat = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # raw bytes
+            digest.update(flat.numpy())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
 
 
 def sample(

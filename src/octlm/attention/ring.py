@@ -23,6 +23,11 @@ accumulation dtype that every rank adds its contribution to, and one last pass h
 finished gradients to their owner. Each block uses the global ``lse`` and
 ``delta = rowsum(dO * O)``, both local to the query's owner.
 
+Before the first exchange the ranks agree: one ``all_gather_object`` swaps each rank's dtype,
+device type, shapes and options (causal, window, layout, scale, block, ...) and the error its
+own checks raised, if any. Any difference, or any rank's error, raises one ``ValueError`` on
+every rank, so none computes under other rules than its peers or waits on one that gave up.
+
 Communication is point-to-point (``dist.batch_isend_irecv``), device-agnostic: ``gloo`` with CPU
 tensors, ``nccl`` with CUDA tensors. ``gloo`` carries bfloat16 and float16 as they are (checked
 with torch 2.13), so no reinterpretation is needed; gradients travel in float32 for those.
@@ -45,7 +50,7 @@ from octlm.attention.blocks import (
     merge,
     parse_block,
 )
-from octlm.attention.inputs import check_inputs
+from octlm.attention.inputs import Shape, check_inputs
 from octlm.attention.masks import key_range
 
 LAYOUTS = ("zigzag", "plain")
@@ -133,10 +138,14 @@ def gather_sequence(
     A collective: every rank of ``group`` calls it and gets the whole tensor. Not
     differentiable (``dist.all_gather`` is not).
     """
-    _check_layout(layout)
-    group, _rank, world = process_group(group)
-    _check_same_shapes(group, world, local=local)
-    _check_shard(local.shape[dim], layout)
+    try:
+        _check_layout(layout)
+        _check_shard(local.shape[dim], layout)
+        problem = None
+    except ValueError as error:
+        problem = error
+    description = {"shape": tuple(local.shape), "dtype": local.dtype, "layout": layout, "dim": dim}
+    group, _rank, world = _agree(group, "gather_sequence", description, problem)
     local = local.contiguous()
     shards = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(shards, local, group=group)
@@ -167,23 +176,76 @@ def process_group(
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_same_shapes(group: dist.ProcessGroup, world: int, **tensors: Tensor) -> None:
-    """Raise on every rank when the ranks' shards differ in shape (one small all_gather)."""
-    first = next(iter(tensors.values()))
-    shapes = torch.tensor([s for t in tensors.values() for s in t.shape], device=first.device)
-    every = [torch.empty_like(shapes) for _ in range(world)]
-    dist.all_gather(every, shapes, group=group)
-    if any(not torch.equal(other, every[0]) for other in every):
-        described = []
-        for rank, flat in enumerate(every):
-            sizes, parts = flat.tolist(), []
-            for name, tensor in tensors.items():
-                parts.append(f"{name} {tuple(sizes[: tensor.dim()])}")
-                sizes = sizes[tensor.dim() :]
-            described.append(f"rank {rank}: " + ", ".join(parts))
+def _agree(
+    group: dist.ProcessGroup | None, call: str, description: dict, problem: Exception | None
+) -> tuple[dist.ProcessGroup, int, int]:
+    """``process_group(group)`` once every rank has made the same, valid ``call``.
+
+    A collective, before the first exchange: the ranks swap ``description`` (what each was
+    given) and the error, if any, that its own checks raised. Unless every rank's checks passed
+    and every description matches, every rank raises the same ``ValueError`` naming what
+    differs and where, so no rank returns garbage computed under other rules than its peers'
+    and none waits on a send that never comes.
+    """
+    if problem is not None and not (dist.is_available() and dist.is_initialized()):
+        raise problem  # no peers to tell
+    group, rank, world = process_group(group)
+    error = None if problem is None else f"{type(problem).__name__}: {problem}"
+    every: list = [None] * world
+    dist.all_gather_object(every, {"call": description, "error": error}, group=group)
+    if any(other["error"] for other in every):
         raise ValueError(
-            "every rank must hold a shard of the same shape, got " + "; ".join(described)
+            f"{call} refused on every rank because a rank's own checks failed: "
+            + _by_rank([other["error"] or "passed its own checks" for other in every])
+        ) from problem
+    differing = [
+        f"{name} ({_by_rank([other['call'][name] for other in every])})"
+        for name in description
+        if any(other["call"][name] != every[0]["call"][name] for other in every)
+    ]
+    if differing:
+        raise ValueError(
+            f"every rank must make the same {call} call, but they differ in " + ", ".join(differing)
         )
+    return group, rank, world
+
+
+def _by_rank(values: list) -> str:
+    """``"rank 0: a; ranks 1, 2: b"``: each distinct value once, with the ranks that hold it."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(str(value), []).append(rank)
+    return "; ".join(
+        f"rank{'s' * (len(held) > 1)} {', '.join(map(str, held))}: {value}"
+        for value, held in ranks.items()
+    )
+
+
+def _check_call(
+    query: Tensor, key: Tensor, value: Tensor, causal: bool, window: int, mask: Tensor | None,
+    scale: float | None, dropout_p: float, key_lengths: Tensor | None, layout: str,
+) -> Shape:  # fmt: skip
+    """This rank's own checks of a ring_attention call."""
+    _check_layout(layout)
+    for name, given in (("mask", mask), ("key_lengths", key_lengths)):
+        if given is not None:
+            raise ValueError(f"ring_attention takes no {name}; shard only causal/window rules")
+    shape = check_inputs(
+        query, key, value, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+        dropout_supported=False,
+    )  # fmt: skip
+    if shape.q_len != shape.k_len:
+        raise ValueError(
+            "each rank must hold query, key and value for the same positions, got q_len "
+            f"{shape.q_len} and k_len {shape.k_len}"
+        )
+    _check_shard(shape.q_len, layout)
+    return shape
+
+
+def _shape(x: object) -> tuple[int, ...] | str:
+    """A tensor's shape, or what was passed instead of a tensor."""
+    return tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
 
 
 class _Ring:
@@ -362,23 +424,21 @@ def ring_attention(
     Returns:
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
-    _check_layout(layout)
-    for name, given in (("mask", mask), ("key_lengths", key_lengths)):
-        if given is not None:
-            raise ValueError(f"ring_attention takes no {name}; shard only causal/window rules")
-    shape = check_inputs(
-        query, key, value, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-        dropout_supported=False,
-    )  # fmt: skip
-    group, rank, world = process_group(group)
-    _check_same_shapes(group, world, query=query, key=key)
-    if shape.q_len != shape.k_len:
-        raise ValueError(
-            "each rank must hold query, key and value for the same positions, got q_len "
-            f"{shape.q_len} and k_len {shape.k_len}"
-        )
-    _check_shard(shape.q_len, layout)
-    options = dict(causal=causal, window=window, scale=shape.scale, block=parse_block(block))
+    try:
+        shape = _check_call(query, key, value, causal, window, mask, scale, dropout_p,
+                            key_lengths, layout)  # fmt: skip
+        scale, block, problem = shape.scale, parse_block(block), None
+    except (TypeError, ValueError) as error:
+        problem = error
+    description = {
+        "dtype": getattr(query, "dtype", None),
+        "device": query.device.type if isinstance(query, Tensor) else None,
+        "query shape": _shape(query), "key shape": _shape(key), "value shape": _shape(value),
+        "causal": causal, "window": window, "layout": layout, "scale": scale, "block": block,
+        "dropout_p": dropout_p, "mask": mask is not None, "key_lengths": key_lengths is not None,
+    }  # fmt: skip
+    group, rank, world = _agree(group, "ring_attention", description, problem)
+    options = dict(causal=causal, window=window, scale=scale, block=block)
     ring = _Ring(group, rank, world, layout)
     # Point-to-point sends need contiguous tensors (the model's values are a transposed view).
     return _RingAttention.apply(query, key.contiguous(), value.contiguous(), ring, options)
