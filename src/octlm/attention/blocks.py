@@ -96,6 +96,7 @@ class RowStats:
     shift: Tensor
     total: Tensor
     units: Units
+    careful: bool = False  # the forward met a non-finite input: hide by masked fills
 
     def lse(self) -> Tensor:
         """Natural log-sum-exp; ``-inf`` for rows that see no key."""
@@ -250,6 +251,26 @@ def _fold(x: Tensor, kv_heads: int, scale: float, dtype: torch.dtype, extra: flo
     return out
 
 
+def _keys(key: Tensor, dtype: torch.dtype, extra: float | None) -> Tensor:
+    """Keys ``(B, Hkv, K, D [+ 1])`` in ``dtype`` for the block matmuls, with a column of
+    ``extra`` when given (see :func:`_fold`), copied only when that is needed."""
+    if extra is None:
+        return _blockwise(key.to(dtype))
+    head_size = key.shape[-1]
+    out = key.new_empty(*key.shape[:-1], head_size + 1, dtype=dtype)
+    out[..., :head_size] = key
+    out[..., head_size] = extra
+    return out
+
+
+def _blockwise(x: Tensor) -> Tensor:
+    """``x (B, Hkv, K, D)`` itself when its rows are contiguous and batch and heads merge, as
+    in a KV cache's view of its longer buffer; else a contiguous copy. The block matmuls need
+    no more, and decoding one token should not copy the whole cache."""
+    rows = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    return x if rows and x.stride(0) == x.stride(1) * x.shape[1] else x.contiguous()
+
+
 def unfold_heads(rows: Tensor) -> Tensor:
     """(B, Hkv, Q, G, ...) -> (B, H, Q, ...): the inverse of the fold, for outputs."""
     batch, kv_heads, q_len, group = rows.shape[:4]
@@ -351,14 +372,30 @@ def forward_rows(
     block: tuple[int, int],
     key_lengths: Tensor | None,
 ) -> tuple[Tensor, RowStats]:
-    """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`."""
+    """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`.
+
+    Inputs are assumed finite, and checked only afterwards: a NaN or infinity that reached
+    any row shows up as NaN in the output (O(Q·D) to look at, against O(K·D) for the inputs,
+    which is the whole cost of decoding one token). Only then is the call run again with the
+    masked fills that keep a hidden NaN out of the rows that cannot see it.
+    """
+    options = dict(past=past, causal=causal, window=window, mask=mask, scale=scale,
+                   block=block, key_lengths=key_lengths)  # fmt: skip
+    out, rows = _forward_pass(query, key, value, careful=False, **options)
+    if bool(out.isnan().any()):
+        out, rows = _forward_pass(query, key, value, careful=True, **options)
+    return out, rows
+
+
+def _forward_pass(
+    query, key, value, *, past, causal, window, mask, scale, block, key_lengths, careful
+) -> tuple[Tensor, RowStats]:
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
     units = Units.choose(mask, dtype)
     if 0 in query.shape or 0 in key.shape:  # no rows, or no keys to see: zeros, as naive gives
         nothing = query.new_zeros(query.shape[:-1], dtype=dtype)  # (B, H, Q)
         return query.new_zeros(query.shape, dtype=dtype), RowStats(nothing, nothing, units)
-    careful = not _all_finite(query, key, value, mask)
     float_mask = mask is not None and mask.is_floating_point()
     rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
     # The fused shift costs a copy of the keys with a column of ones: worth it when each key
@@ -367,8 +404,8 @@ def forward_rows(
     fused = rows_per_block >= FUSED_SHIFT_ROWS and not float_mask
     extra = 0.0 if fused else None
     folded = _fold(query, kv_heads, scale * units.unit, dtype, extra)  # (B, Hkv, Q, G, D [+ 1])
-    keys = _fold(key, kv_heads, 1.0, dtype, 1.0 if fused else None).squeeze(3)  # (B, Hkv, K, ·)
-    value = value.to(dtype).contiguous()  # (B, Hkv, K, D)
+    keys = _keys(key, dtype, 1.0 if fused else None)  # (B, Hkv, K, D [+ 1])
+    value = _blockwise(value.to(dtype))  # (B, Hkv, K, D)
     broken = None
     if careful:
         # 0 x NaN is NaN: a value a row cannot see must not reach it through a zero weight.
@@ -411,7 +448,8 @@ def forward_rows(
         out[:, :, rows.start : rows.stop] = result.view(*shape, head_size)
         shift[:, :, rows.start : rows.stop] = state.shift.view(shape)
         total[:, :, rows.start : rows.stop] = state.running_sum.view(shape)
-    return unfold_heads(out), RowStats(unfold_heads(shift), unfold_heads(total), units)
+    rows = RowStats(unfold_heads(shift), unfold_heads(total), units, careful)
+    return unfold_heads(out), rows
 
 
 def attend_forward(
@@ -481,7 +519,8 @@ def attend_backward(
     if isinstance(lse, Tensor):  # the log-sum-exp alone: shift by it, total 1
         units = Units.choose(mask, dtype)
         seen = lse > NEG_INF
-        lse = RowStats((lse.to(dtype) * units.unit).masked_fill(~seen, 0.0), seen.to(dtype), units)
+        shift = (lse.to(dtype) * units.unit).masked_fill(~seen, 0.0)
+        lse = RowStats(shift, seen.to(dtype), units, careful=not _all_finite(query, key, value))
     units = lse.units
     float_mask = mask is not None and mask.is_floating_point()
     fused = not float_mask and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
@@ -494,14 +533,13 @@ def attend_backward(
     # ds = e * (v @ (do / total) - delta / total).
     total = _fold_rows(lse.total, kv_heads, dtype)  # (B, Hkv, Q, G, 1)
     inverse = torch.where(total > 0, 1.0 / total, 0.0)
-    keys = _fold(key, kv_heads, 1.0, dtype, 1.0 if fused else None).squeeze(3)  # (B, Hkv, K, ·)
+    keys = _keys(key, dtype, 1.0 if fused else None)  # (B, Hkv, K, D [+ 1])
     grad_folded = _fold(grad_out, kv_heads, 1.0, dtype, None) * inverse  # (B, Hkv, Q, G, D)
     delta = _fold_rows(delta, kv_heads, dtype) * inverse  # (B, Hkv, Q, G, 1)
-    value = value.to(dtype).contiguous()  # (B, Hkv, K, D)
-    careful = not _all_finite(query, key, value, mask)
+    value = _blockwise(value.to(dtype))  # (B, Hkv, K, D)
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
-        key_lengths, careful,
+        key_lengths, lse.careful,
     )  # fmt: skip
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)

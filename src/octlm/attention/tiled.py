@@ -25,14 +25,15 @@ from octlm.attention.inputs import check_inputs
 
 
 class _TiledAttention(torch.autograd.Function):
-    """Autograd through the block steps; saves query, key, value, output and lse only."""
+    """Autograd through the block steps; saves query, key, value, output and the per-row shift
+    and sum of the online softmax (docs/design.md §7)."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, key_lengths, options):
         out, rows = forward_rows(query, key, value, mask=mask, key_lengths=key_lengths, **options)
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, mask, key_lengths)
-        ctx.options, ctx.units = options, rows.units
+        ctx.options, ctx.units, ctx.careful = options, rows.units, rows.careful
         lse = rows.lse()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -46,7 +47,7 @@ class _TiledAttention(torch.autograd.Function):
             batch, heads, q_len, _ = query.shape
             kv_heads, k_len = key.shape[1], key.shape[2]
             grad_mask = shift.new_zeros(batch, kv_heads, q_len, heads // kv_heads, k_len)
-        rows = RowStats(shift, total, ctx.units)
+        rows = RowStats(shift, total, ctx.units, ctx.careful)
         grad_query, grad_key, grad_value = attend_backward(
             query, key, value, grad_out, rows, delta, mask=mask, key_lengths=key_lengths,
             grad_mask=grad_mask, **ctx.options,
