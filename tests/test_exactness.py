@@ -19,7 +19,7 @@ from tests.helpers import assert_judged, make_qkv, reference
 
 SINGLE_PROCESS = [name for name, impl in IMPLEMENTATIONS.items() if not impl.distributed]
 FINFO_MIN = torch.finfo(torch.float32).min
-BLOCKS = [(512, 256), (64, 64), (16, 32), (100, 7)]
+BLOCKS = [(512, 256), (64, 64), (16, 32), (100, 17)]
 
 
 def call(name, *inputs, **options):
@@ -136,11 +136,11 @@ def test_finfo_min_rows_have_exact_gradients(block):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("block", [(512, 256), (64, 64), (16, 8), 7])
+@pytest.mark.parametrize("block", [(512, 256), (64, 64), (24, 16)])
 def test_low_precision_queries_are_scaled_after_the_upcast(dtype, block):
     """lse within 1e-5 of float64 on the same (rounded) values, and gradients within the rule
     at block sizes on both sides of the fused-shift threshold."""
-    query, key, value = make_qkv(batch=1, heads=4, kv_heads=2, q_len=300, dtype=dtype)
+    query, key, value = make_qkv(batch=1, heads=4, kv_heads=2, q_len=200, dtype=dtype)
     inputs = [x.clone().requires_grad_() for x in (query, key, value)]
     out, lse = tiled_attention(*inputs, block=block, return_lse=True)
     assert lse.dtype == torch.float32
