@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 from transformers.masking_utils import (  # noqa: E402
+    chunked_causal_mask_function,
     sdpa_mask,
     sliding_window_causal_mask_function,
 )
@@ -213,6 +214,21 @@ def test_static_cache_prefill_keeps_only_the_filled_slots():
     assert rules.mask is None and rules.key_lengths is None
     rules = structured_mask(batch_size=2, q_length=1, kv_length=64, q_offset=torch.tensor(20))
     assert rules.keys == 21
+
+
+def test_only_patterns_recognised_exactly_become_structure():
+    """A sliding window is recognised with its own size; another pattern with the same
+    local size (chunked attention) or a window of another size stays transformers' mask."""
+    sizes = dict(batch_size=2, q_length=12, kv_length=12, local_size=4)
+    rules = structured_mask(**sizes, mask_function=sliding_window_causal_mask_function(4))
+    assert (rules.causal, rules.window, rules.mask) == (True, 4, None)
+    for other in (
+        chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)),
+        sliding_window_causal_mask_function(5),
+    ):
+        rules = structured_mask(**sizes, mask_function=other)
+        expected = sdpa_mask(**sizes, mask_function=other, allow_is_causal_skip=False)
+        assert not rules.causal and torch.equal(rules.mask, expected)
 
 
 def test_packed_sequences_take_the_exact_route(spy):

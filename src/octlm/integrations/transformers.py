@@ -43,6 +43,7 @@ try:
         bidirectional_mask_function,
         causal_mask_function,
         sdpa_mask,
+        sliding_window_causal_mask_function,
     )
 except ImportError as error:
     raise ImportError(
@@ -55,8 +56,6 @@ from octlm.attention import IMPLEMENTATIONS, Implementation, implementation
 PREFIX = "octlm_"
 # Keyword arguments some models pass that change the maths and that octlm does not implement.
 UNSUPPORTED = ("softcap", "s_aux", "position_bias")
-# At most this many mask values are evaluated at once when checking a mask function's pattern.
-_CHECK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -152,6 +151,12 @@ def _rules(attention_mask, module, kwargs: dict) -> StructuredMask:
     if isinstance(attention_mask, StructuredMask):
         return attention_mask
     if attention_mask is None:
+        if kwargs.get("cu_seq_lens_q") is not None:
+            raise ValueError(
+                "octlm attention got a variable-length batch without a mask (continuous "
+                "batching's paged cache), which it does not support; use transformers' own "
+                "implementations for continuous batching"
+            )
         # No mask was built (the layer was called on its own): causal if the layer is.
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
@@ -184,57 +189,71 @@ def structured_mask(
 
     Key slot ``j`` holds position ``kv_offset + j`` and query row ``i`` sits at position
     ``q_offset + i``; ``attention_mask`` is the 2-D ``(B, positions)`` padding mask, True =
-    a real token. The pattern is recognised, or checked a few rows at a time, never guessed.
+    a real token. Only a pattern recognised exactly becomes structure; the rest stays dense.
     """
     if isinstance(attention_mask, StructuredMask):  # built ahead by generate() for this step
         return attention_mask
     # A static cache passes its live length tensor, which its update() then advances in place.
     q_offset = int(q_offset)
-    structure = None
-    if mask_function is causal_mask_function:
-        structure = True, 0
-    elif mask_function is bidirectional_mask_function:
-        structure = False, 0
-    elif not use_vmap and local_size and _is_sliding_window(
-        mask_function, batch_size, range(q_offset, q_offset + q_length),
-        range(kv_offset, kv_offset + kv_length), local_size, device,
-    ):  # fmt: skip
-        structure = True, int(local_size)
-    # Causal: keep the slots up to the last query, so octlm's bottom-right rule puts row i at
-    # position q_offset + i; the slots after it (a static cache's empty tail) are all hidden.
-    keys = q_offset + q_length - kv_offset if structure and structure[0] else kv_length
-    if structure is None or not q_length <= keys <= kv_length:
-        dense = sdpa_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-            allow_is_causal_skip=False, use_vmap=use_vmap, device=device,
-        )  # fmt: skip
-        return StructuredMask(causal=False, window=0, mask=dense)  # (B, 1, Q, K) bool
-    causal, window = structure
-    key_lengths, padding = _padding(attention_mask, kv_offset, keys)
-    return StructuredMask(causal, window, keys, key_lengths, padding)
+    structure = None if use_vmap else _structure(mask_function, local_size)
+    if structure is not None:
+        causal, window = structure
+        # Causal: keep the slots up to the last query, so that octlm's bottom-right rule puts
+        # row i at position q_offset + i; the slots after it (a static cache's empty tail) are
+        # hidden anyway.
+        keys = q_offset + q_length - kv_offset if causal else kv_length
+        if q_length <= keys <= kv_length:
+            return StructuredMask(causal, window, keys, *_padding(attention_mask, kv_offset, keys))
+    dense = sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+        allow_is_causal_skip=False, use_vmap=use_vmap, device=device,
+    )  # fmt: skip
+    return StructuredMask(causal=False, window=0, mask=dense)  # (B, 1, Q, K) bool
 
 
-def _is_sliding_window(
-    mask_function, batch_size: int, rows: range, columns: range, window: int, device
-) -> bool:
-    """Whether ``mask_function`` is exactly causal with ``window`` on these positions.
+def _structure(mask_function, local_size: int | None) -> tuple[bool, int] | None:
+    """``(causal, window)`` when ``mask_function`` is one of transformers' plain patterns."""
+    if _same_function(mask_function, causal_mask_function):
+        return True, 0
+    if _same_function(mask_function, bidirectional_mask_function):
+        return False, 0
+    if local_size and _same_function(
+        mask_function, sliding_window_causal_mask_function(local_size)
+    ):
+        return True, int(local_size)
+    return None
 
-    Evaluated as transformers does (broadcast indices), a slab of rows at a time, so the check
-    costs ``O(block)`` memory, not ``O(Q * K)``.
+
+def _same_function(got, expected) -> bool:
+    """Whether two mask functions run the same code over equal captured values.
+
+    transformers composes masks from closures (``and_masks(sliding_window_overlay(w),
+    causal_mask_function)``, plus packing or padding overlays); comparing code and captured
+    values recognises a pattern exactly and in O(1), where evaluating it costs O(Q * K).
+    Anything not recognised, including a future rewrite of these closures, takes the dense route.
     """
-    batch = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)
-    head = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    column = torch.arange(columns.start, columns.stop, device=device).view(1, 1, 1, -1)
-    step = max(1, _CHECK_ELEMENTS // (batch_size * len(columns)))
-    for start in range(rows.start, rows.stop, step):
-        row = torch.arange(start, min(start + step, rows.stop), device=device).view(1, 1, -1, 1)
-        expected = (column <= row) & (row - column < window)  # (1, 1, rows, K)
-        got = mask_function(batch, head, row, column)  # broadcasts to (B, 1, rows, K)
-        shape = (batch_size, 1, row.shape[2], len(columns))
-        if not torch.equal(got.expand(shape), expected.expand(shape)):
-            return False
-    return True
+    if got is expected:
+        return True
+    if getattr(got, "__code__", None) is None or got.__code__ is not expected.__code__:
+        return False
+    cells, expected_cells = got.__closure__ or (), expected.__closure__ or ()
+    return len(cells) == len(expected_cells) and all(
+        _same_value(a.cell_contents, b.cell_contents)
+        for a, b in zip(cells, expected_cells, strict=True)
+    )
+
+
+def _same_value(got, expected) -> bool:
+    """Captured values: functions and tuples compared in depth, numbers and strings by value,
+    anything else (a tensor of packed-sequence ids) only by identity."""
+    if isinstance(got, tuple) and isinstance(expected, tuple):
+        return len(got) == len(expected) and all(map(_same_value, got, expected))
+    if callable(got) and callable(expected):
+        return _same_function(got, expected)
+    if isinstance(got, int | float | bool | str) and type(got) is type(expected):
+        return got == expected
+    return got is expected
 
 
 def _padding(
