@@ -125,21 +125,25 @@ def summary_line(record: dict) -> str:
 
 
 def summarise(path: str) -> None:
-    """Median and range of every figure, per (length, implementation)."""
+    """Median (min-max) of every figure, per (length, implementation), as a Markdown table."""
     groups = defaultdict(list)
     for record in records.read(path):
         if record.get("experiment") == EXPERIMENT and record["status"] == "ok":
             groups[record["length"], record["attn"]].append(record)
-    print("| context | attention | runs | prefill tok/s | decode tok/s | peak RSS MiB |")
-    print("|---:|---|---:|---|---|---|")
+    columns = (  # (heading, field, scale, format)
+        ("prefill tok/s", "prefill_tokens_per_s", 1, ",.0f"),
+        ("decode tok/s", "decode_tokens_per_s", 1, ".1f"),
+        ("peak RSS MiB", "peak_bytes", 2**20, ",.0f"),
+        ("added MiB", "extra_bytes", 2**20, ",.0f"),
+    )
+    print("| context | attention | runs | " + " | ".join(c[0] for c in columns) + " |")
+    print("|---:|---|---:|" + "---|" * len(columns))
     for (length, attn), group in sorted(groups.items()):
         cells = []
-        for key, scale in (("prefill_tokens_per_s", 1), ("decode_tokens_per_s", 1),
-                           ("peak_bytes", 2**20)):  # fmt: skip
-            values = [r[key] / scale for r in group]
-            cells.append(
-                f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
-            )
+        for _, field, scale, spec in columns:
+            values = [r[field] / scale for r in group]
+            low, middle, high = min(values), statistics.median(values), max(values)
+            cells.append(f"{middle:{spec}} ({low:{spec}}-{high:{spec}})")
         print(f"| {length:,} | {attn} | {len(group)} | " + " | ".join(cells) + " |")
 
 

@@ -94,9 +94,9 @@ def spy(monkeypatch):
     calls = []
     tiled = IMPLEMENTATIONS["tiled"]
 
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return tiled.function(*args, **kwargs)
+    def recording(query, key, value, **kwargs):
+        calls.append({**kwargs, "heads": query.shape[1], "kv_heads": key.shape[1]})
+        return tiled.function(query, key, value, **kwargs)
 
     monkeypatch.setitem(IMPLEMENTATIONS, "tiled", dataclasses.replace(tiled, function=recording))
     return calls
@@ -185,7 +185,7 @@ def test_greedy_generation_gives_the_same_tokens(kind, cache):
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_causal_and_window_reach_tiled_as_structure(kind, spy):
     """No padding: tiled gets mask=None and each layer its own window; right padding becomes
-    key_lengths, left padding a (B, 1, 1, K) mask."""
+    key_lengths, left padding a (B, 1, 1, K) mask. Key/value heads are never repeated."""
     model = build(kind)
     model.set_attn_implementation("octlm_tiled")
     for padding in ("none", "right", "left"):
@@ -194,6 +194,7 @@ def test_causal_and_window_reach_tiled_as_structure(kind, spy):
         model(input_ids=ids, attention_mask=None if padding == "none" else mask)
         assert [call["window"] for call in spy] == LAYER_WINDOWS[kind]
         assert all(call["causal"] for call in spy)
+        assert all((call["heads"], call["kv_heads"]) == (4, 2) for call in spy)
         masks = [call["mask"] for call in spy]
         lengths = [call["key_lengths"] for call in spy]
         if padding == "none":

@@ -53,6 +53,8 @@ except ImportError as error:
 
 from octlm.attention import IMPLEMENTATIONS, Implementation, implementation
 
+__all__ = ["StructuredMask", "register", "structured_mask"]
+
 PREFIX = "octlm_"
 # Keyword arguments some models pass that change the maths and that octlm does not implement.
 UNSUPPORTED = ("softcap", "s_aux", "position_bias")
