@@ -18,16 +18,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
-from transformers.masking_utils import (  # noqa: E402
-    chunked_causal_mask_function,
-    sdpa_mask,
-    sliding_window_causal_mask_function,
-)
 
 from octlm.attention import IMPLEMENTATIONS, attention_mask, tiled_attention  # noqa: E402
-from octlm.integrations.transformers import register, structured_mask  # noqa: E402
 
-NAMES = register()
+# transformers.masking_utils (and so the integration) imports torch._dynamo, which imports
+# Triton: done at collection, that would come before tests/test_triton.py can switch Triton's
+# CPU interpreter on, so these modules are imported only while the tests run.
+NAMES = ("octlm_naive", "octlm_sdpa", "octlm_tiled")
 WINDOW = 16
 LENGTH = 64  # tokens per row: four windows, four tiles
 VOCAB = 96
@@ -46,6 +43,13 @@ CONFIGS = {
 }
 # The window octlm must receive in each layer.
 LAYER_WINDOWS = {"llama": [0, 0], "mistral": [WINDOW, WINDOW], "qwen2": [0, WINDOW]}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    from octlm.integrations.transformers import register
+
+    return register()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -102,8 +106,10 @@ def spy(monkeypatch):
     return calls
 
 
-def test_register_adds_every_single_process_implementation_to_both_registries():
-    assert set(NAMES) == {"octlm_naive", "octlm_sdpa", "octlm_tiled"}
+def test_register_adds_every_single_process_implementation_to_both_registries(registered):
+    from octlm.integrations.transformers import register
+
+    assert registered == NAMES
     for name in NAMES:
         assert name in transformers.AttentionInterface()
         assert name in transformers.AttentionMaskInterface()
@@ -112,6 +118,8 @@ def test_register_adds_every_single_process_implementation_to_both_registries():
 
 def test_transformers_sliding_window_is_octlm_window():
     """transformers' sliding_window=w hides exactly what octlm's window=w hides."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
     for window in (1, 3, WINDOW):
         for q_len, past in ((40, 0), (5, 30)):
             theirs = sdpa_mask(
@@ -210,6 +218,8 @@ def test_causal_and_window_reach_tiled_as_structure(kind, spy):
 def test_static_cache_prefill_keeps_only_the_filled_slots():
     """A static cache hands over all its slots; the empty tail is dropped, so octlm's
     bottom-right causal rule lines up with transformers' positions."""
+    from octlm.integrations.transformers import structured_mask
+
     rules = structured_mask(batch_size=2, q_length=7, kv_length=64, q_offset=torch.tensor(0))
     assert (rules.causal, rules.window, rules.keys) == (True, 0, 7)
     assert rules.mask is None and rules.key_lengths is None
@@ -220,6 +230,14 @@ def test_static_cache_prefill_keeps_only_the_filled_slots():
 def test_only_patterns_recognised_exactly_become_structure():
     """A sliding window is recognised with its own size; another pattern with the same
     local size (chunked attention) or a window of another size stays transformers' mask."""
+    from transformers.masking_utils import (
+        chunked_causal_mask_function,
+        sdpa_mask,
+        sliding_window_causal_mask_function,
+    )
+
+    from octlm.integrations.transformers import structured_mask
+
     sizes = dict(batch_size=2, q_length=12, kv_length=12, local_size=4)
     rules = structured_mask(**sizes, mask_function=sliding_window_causal_mask_function(4))
     assert (rules.causal, rules.window, rules.mask) == (True, 4, None)
