@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from octlm.attention import IMPLEMENTATIONS
 from octlm.model import ModelConfig, OctLM, is_int_at_least
 from octlm.training.data import VOCAB
 
@@ -231,21 +232,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_group = parser.add_argument_group("run")
     for field in fields(RunConfig):
         extras = {k: v for k, v in field.metadata.items() if k != "help"}
+        help = field.metadata["help"]
         if "action" not in extras:
-            extras["type"] = _field_type(field.type)
+            extras |= {"type": _field_type(field.type), "metavar": field.name.upper()}
+            help += "" if field.default is None else f" (default {field.default})"
         if field.name == "dtype":
-            extras["choices"] = list(DTYPES)
-        flag = "--" + field.name.replace("_", "-")
+            extras |= {"choices": list(DTYPES), "metavar": None}
         run_group.add_argument(
-            flag, dest=f"run.{field.name}", default=None, help=field.metadata["help"], **extras
+            _flag(field.name), dest=f"run.{field.name}", default=None, help=help, **extras
         )
-    model_group = parser.add_argument_group("model (ModelConfig fields; default: the preset's)")
+    model_group = parser.add_argument_group("model (default: the preset's, else ModelConfig's)")
     for field in fields(ModelConfig):
-        flag = "--" + field.name.replace("_", "-")
-        extras = {"type": _field_type(field.type)}
+        extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
         if field.name == "block":
-            extras = {"type": int, "nargs": "+", "metavar": "B"}
-        model_group.add_argument(flag, dest=f"model.{field.name}", default=None, **extras)
+            extras = {"type": int, "nargs": "+", "metavar": "B", "help": "B, or BLOCK_Q BLOCK_K"}
+        if field.name == "attention":
+            extras = {"choices": list(IMPLEMENTATIONS)}
+        model_group.add_argument(
+            _flag(field.name), dest=f"model.{field.name}", default=None, **extras
+        )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _field_type(annotation: str):
