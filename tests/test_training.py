@@ -438,3 +438,15 @@ def test_sample_is_the_models_own_decoding(corpus, tmp_path):
     assert generate_text(model, "def ", 6) == bytes(expected).decode("utf-8", errors="replace")
     drawn = [generate_text(model, "def ", 6, temperature=1.0, seed=s) for s in (1, 1, 2)]
     assert drawn[0] == drawn[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_mixed_precision_trains_and_records_allocator_peak(corpus, tmp_path, dtype):
+    model_config, run = configs(corpus, device="cuda", dtype=dtype, steps=12, eval_every=12)
+    outcome = train(model_config, run, tmp_path / "run", progress=False)
+    curve = losses(tmp_path / "run")
+    assert curve[12] < curve[1] and math.isfinite(outcome.val_loss)
+    assert read_metrics(tmp_path / "run", "train_step")[-1]["memory_metric"] == "cuda_max_allocated"
+    model, _step = load_run(tmp_path / "run", "cuda")
+    assert next(model.parameters()).is_cuda

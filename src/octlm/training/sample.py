@@ -28,19 +28,34 @@ def generate_text(
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
-    """``prompt`` continued by ``max_new_tokens`` bytes, decoded as UTF-8 (bad bytes replaced)."""
+    """``prompt`` continued by ``max_new_tokens`` bytes, decoded as UTF-8 (bad bytes replaced).
+
+    The model knows positions up to ``max_length`` only, so a longer text is decoded in
+    windows: when one is full, decoding starts again (a new KV cache) from the last
+    ``max_length // 2`` bytes, as nanoGPT crops its context.
+    """
     if not prompt:
         raise ValueError("prompt must be a non-empty string")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     device = next(model.parameters()).device
+    limit = model.config.max_length
     tokens = torch.tensor([list(prompt.encode())], device=device)  # (1, P)
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(tokens, max_new_tokens, temperature, top_k, generator)  # (1, P + N)
+        new = 0
+        while new < max_new_tokens:
+            fits = new == 0 and tokens.shape[1] < limit
+            context = tokens if fits else tokens[:, -(limit // 2) :]  # (1, C)
+            count = min(limit - context.shape[1], max_new_tokens - new)
+            drawn = model.generate(context, count, temperature, top_k, generator)  # (1, C + n)
+            tokens = torch.cat([tokens, drawn[:, context.shape[1] :]], dim=1)  # (1, P + new)
+            new += count
     finally:
         model.train(was_training)
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
 
 
 def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int]:
