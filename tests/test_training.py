@@ -77,7 +77,7 @@ def file_hashes(folder: Path) -> dict[str, str]:
 def test_documents_go_whole_to_one_split_by_path_hash(corpus, tmp_path):
     summary = data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
     documents = data.find_documents(corpus, "**/*.txt")
-    held_out = [d for d in documents if data.is_validation(d.relative_to(corpus), 0.3)]
+    held_out = [d for d in documents if data.path_fraction(d.relative_to(corpus)) < 0.3]
     assert 0 < len(held_out) < len(documents)
     for split, chosen in (
         ("val", held_out),
@@ -96,6 +96,15 @@ def test_split_does_not_depend_on_where_the_corpus_lies(corpus, tmp_path):
     assert {k: v for k, v in first.items() if k != "source"} == {
         k: v for k, v in second.items() if k != "source"
     }
+
+
+@pytest.mark.parametrize("val_share", [1e-9, 0.999999999])
+def test_small_corpus_still_gets_both_splits(val_share):
+    relatives = [Path(f"doc{i}.txt") for i in range(3)]
+    ranked = sorted(relatives, key=data.path_fraction)
+    chosen = data.held_out(relatives, val_share)
+    expected = {ranked[0]} if val_share < 0.5 else set(ranked[:2])
+    assert chosen == expected
 
 
 def test_single_file_holds_out_its_tail(tmp_path):

@@ -54,10 +54,25 @@ def find_documents(path: str | os.PathLike, glob: str) -> list[Path]:
     return files
 
 
-def is_validation(relative: Path, val_share: float) -> bool:
-    """Whether the document at ``relative`` is held out: its path's hash, as a fraction."""
+def path_fraction(relative: Path) -> float:
+    """A document's place in [0, 1): the hash of its path relative to the corpus root."""
     digest = hashlib.sha256(relative.as_posix().encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < val_share
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def held_out(relatives: list[Path], val_share: float) -> set[Path]:
+    """The documents whose path fraction falls below ``val_share``.
+
+    A small corpus may get none (or only held-out ones); then the document nearest the cut
+    crosses over, so that both sides have one whenever there are two documents.
+    """
+    ranked = sorted(relatives, key=path_fraction)
+    chosen = {r for r in ranked if path_fraction(r) < val_share}
+    if len(ranked) >= 2 and not chosen:
+        chosen = {ranked[0]}
+    if len(ranked) >= 2 and len(chosen) == len(ranked):
+        chosen.discard(ranked[-1])
+    return chosen
 
 
 def write_tokens(
@@ -73,6 +88,11 @@ def write_tokens(
     folder.mkdir(parents=True, exist_ok=True)
     summary = {"source": str(path), "glob": glob, "val_share": val_share, "empty_skipped": 0}
     summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
+    validation = (
+        held_out([d.relative_to(path) for d in documents if d.stat().st_size], val_share)
+        if path.is_dir()
+        else set()
+    )
     outputs = {split: (folder / f".{split}.bin.tmp").open("wb") for split in SPLITS}
     try:
         for document in documents:
@@ -84,8 +104,8 @@ def write_tokens(
                 cut = len(text) - int(len(text) * val_share)
                 parts = {"train": text[:cut], "val": text[cut:]}
             else:
-                held_out = is_validation(document.relative_to(path), val_share)
-                parts = {"val" if held_out else "train": text}
+                split = "val" if document.relative_to(path) in validation else "train"
+                parts = {split: text}
             for split, part in parts.items():
                 outputs[split].write(part)
                 summary[f"{split}_documents"] += 1
