@@ -226,9 +226,10 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
         except ValueError as error:
             print(f"octlm train: {error}", file=sys.stderr)
             return 2
-        if outcome.val_bits_per_byte is not None:
-            print(f"validation: {outcome.val_bits_per_byte:.3f} bits per byte")
-        print(f"run folder: {outcome.folder} (step {outcome.step})")
+        if outcome.rank == 0:
+            if outcome.val_bits_per_byte is not None:
+                print(f"validation: {outcome.val_bits_per_byte:.3f} bits per byte")
+            print(f"run folder: {outcome.folder} (step {outcome.step})")
         return 0
 
     parser.set_defaults(run=run)

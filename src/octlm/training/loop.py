@@ -57,6 +57,7 @@ class Outcome:
     val_loss: float | None
     val_bits_per_byte: float | None
     stopped_by: str | None  # the signal that ended the run early, None if it ran to the end
+    rank: int  # this process's rank: 0 speaks for the run
 
 
 def train(
@@ -166,7 +167,7 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     if cluster.is_main and stopped_by:
         print(f"stopped by {stopped_by} after step {step}; continue with --resume")
     val_loss, val_bits_per_byte, _sample = last_eval or (None, None, None)
-    return Outcome(folder, step, val_loss, val_bits_per_byte, stopped_by)
+    return Outcome(folder, step, val_loss, val_bits_per_byte, stopped_by, cluster.rank)
 
 
 def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> None:
