@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,12 +27,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.benchmark import Timer
+from tqdm.auto import tqdm
 
 from octlm import records
 from octlm.model import OctLM
 from octlm.training import data, resolve, train
-from octlm.training.metrics import METRICS
-from octlm.training.optim import make_optimizer
+from octlm.training.metrics import METRICS, Metrics
+from octlm.training.optim import make_optimizer, make_scheduler
 
 OUTPUT = "runs/bench-training-cpu.jsonl"
 TOKENS_PER_STEP = 4096  # batch x length, the same at every length
@@ -78,7 +82,42 @@ def _loop(model_config, run, steps: int, folder: Path) -> float:
     return next(r["tokens_per_second"] for r in found if r["step"] == 2 * steps)
 
 
-def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 2) -> None:
+def _extras(model_config, run, corpus: Path, scratch: Path) -> dict:
+    """Seconds per step of what ``train()`` adds to the bare loop, each timed on its own.
+
+    Drawing the batch from the memory-mapped tokens, clipping (the gradient norm), the
+    schedule, and the progress bar; a logged step adds a record. Timed with
+    ``torch.utils.benchmark`` over many calls, so they hold up on a busy machine where
+    whole-loop timings do not.
+    """
+    tokens_folder = scratch / "tokens"
+    data.write_tokens(corpus, data.DEFAULT_GLOB, run.val_share, tokens_folder)
+    batches = data.Batches(data.load_tokens(tokens_folder, "train", run.length), run.length, 0)
+    model = OctLM(model_config)
+    for parameter in model.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    optimizer = make_optimizer(model, run.lr, run.weight_decay)
+    scheduler = make_scheduler(optimizer, warmup=run.warmup, steps=10**9, min_ratio=0.1)
+    bar = tqdm(total=10**9, disable=False, file=open(os.devnull, "w"))  # noqa: SIM115
+    log = Metrics(scratch, "cpu", enabled=True)
+    statements = {
+        "batch": lambda: batches.next(run.batch),
+        "clip": lambda: nn.utils.clip_grad_norm_(model.parameters(), run.clip),
+        "schedule": scheduler.step,
+        "progress": bar.update,
+        "record": lambda: log.write("train_step", step=0, loss=0.0),
+    }
+    timed = {}
+    for name, statement in statements.items():
+        measurement = Timer("statement()", globals={"statement": statement}).blocked_autorange(
+            min_run_time=1.0
+        )
+        timed[name] = measurement.median
+    timed["record"] /= run.log_every  # one record per log_every steps
+    return timed
+
+
+def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 3) -> None:
     """``train()`` against the bare loop at each length, ``repeats`` times, interleaved."""
     with tempfile.TemporaryDirectory() as scratch:
         corpus = _corpus(Path(scratch))
@@ -93,8 +132,12 @@ def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 2)
             for _ in range(repeats):  # interleaved: the machine's load hits both alike
                 loop.append(_loop(model_config, run, steps, Path(scratch, "run")))
                 bare.append(_bare_loop(model_config, run, steps))
+            extras = _extras(model_config, run, corpus, Path(scratch))
+            bare_step = run.batch * run.length / statistics.median(bare)  # seconds
             record = records.context("train-overhead") | {
                 "length": length, "batch": run.batch, "steps": steps, "repeats": repeats,
+                "extras_seconds": extras, "bare_step_seconds": bare_step,
+                "extras_share": sum(extras.values()) / bare_step,
                 "loop_tokens_per_second": loop, "bare_tokens_per_second": bare,
                 "loop_median": statistics.median(loop), "bare_median": statistics.median(bare),
                 "overhead": 1 - statistics.median(loop) / statistics.median(bare),
