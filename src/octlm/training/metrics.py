@@ -3,8 +3,8 @@
 One JSON object per line, appended and fsynced as it is written (docs/design.md §5), with the
 context fields every octlm record carries. Lines are of two kinds:
 
-- ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (mean over the logged
-  interval's last step), ``lr``, ``grad_norm``, ``tokens_per_second`` (over the interval),
+- ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
+  whole global batch), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
   ``memory_metric`` and ``peak_bytes``;
 - ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss``,
   ``val_bits_per_byte`` and ``sample`` (bytes generated from the fixed prompt).
