@@ -179,6 +179,100 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+# --- octlm train, octlm sample ---------------------------------------------------------------
+
+
+def _train_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm train``: a preset or config file, and one flag per config field."""
+    from octlm.training import config
+
+    parser.description = (
+        "Train an octlm model on bytes of text: one process, or several under torchrun "
+        "(DDP by default, --fsdp, --context-parallel). With no --data the corpus is this "
+        "Python's standard library. The run folder (--out) keeps config.json, metrics.jsonl, "
+        "loss.png, the token files and the last checkpoints."
+    )
+    parser.epilog = "presets (--width and friends override them):\n" + config.preset_summary()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--out", default="runs/train", help="run folder (default %(default)s)")
+    parser.add_argument(
+        "--preset",
+        choices=list(config.PRESETS),
+        help=f"model sizes (default {config.DEFAULT_PRESET})",
+    )
+    parser.add_argument("--config", help="TOML or JSON file with [model] and [run] tables")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start again in an existing run folder"
+    )
+    config.add_arguments(parser)
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.training import train
+
+        model_values, run_values = config.explicit_values(args)
+        try:
+            if args.resume:
+                model_config, run_config = config.resolve_resumed(
+                    args.out, args.preset, args.config, model_values, run_values
+                )
+            else:
+                model_config, run_config = config.resolve(
+                    args.preset, args.config, model_values, run_values
+                )
+            outcome = train(
+                model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
+            )
+        except ValueError as error:
+            print(f"octlm train: {error}", file=sys.stderr)
+            return 2
+        if outcome.rank == 0:
+            if outcome.val_bits_per_byte is not None:
+                print(f"validation: {outcome.val_bits_per_byte:.3f} bits per byte")
+            print(f"run folder: {outcome.folder} (step {outcome.step})")
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+def _sample_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm sample``: the run folder, the prompt and how to draw."""
+    parser.description = (
+        "Continue a prompt with the latest checkpoint of a run folder (any run: one process, "
+        "DDP, FSDP or context parallel), decoding with the KV cache."
+    )
+    parser.add_argument("run_dir", help="a folder written by octlm train")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0 is greedy (default %(default)s)"
+    )
+    parser.add_argument("--top-k", type=int, help="draw among the K likeliest bytes only")
+    parser.add_argument("--seed", type=int, default=0, help="RNG seed of the draw")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.training import generate_text, load_run
+
+        try:
+            model, step = load_run(args.run_dir, args.device)
+            text = generate_text(
+                model, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, seed=args.seed,
+            )  # fmt: skip
+        except ValueError as error:
+            print(f"octlm sample: {error}", file=sys.stderr)
+            return 2
+        print(f"# {args.run_dir}, checkpoint of step {step}", file=sys.stderr)
+        print(text)
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+# --- end of octlm train, octlm sample ---------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="octlm", description="Exact attention three ways, checked and measured."
@@ -187,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_parser(commands.add_parser("verify", help="equivalence experiments -> runs/*.jsonl"))
     _bench_parser(commands.add_parser("bench", help="one process per measurement -> runs/"))
     _report_parser(commands.add_parser("report", help="tables and plots from records"))
+    _train_parser(commands.add_parser("train", help="train a model -> a run folder"))
+    _sample_parser(commands.add_parser("sample", help="text from a run folder's checkpoint"))
     return parser
 
 

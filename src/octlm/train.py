@@ -1,7 +1,9 @@
 """A tiny, deterministic training loop: byte-level next-token prediction on shipped prose.
 
 Used by the tests and by ``octlm verify`` to show that every attention implementation trains
-the model the same way: same seed, same weights, same batches, so the same loss curve.
+the model the same way: same seed, same weights, same batches, so the same loss curve. It stays
+this bare (plain AdamW, no schedule, any dtype including float64) so that verify can compare
+curves in float64; training a model for real is :mod:`octlm.training` (``octlm train``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""How fast ``octlm train`` runs: its overhead over a bare loop, and each attention's cost.
+
+Two measurements, appended as records to ``runs/bench-training-cpu.jsonl``::
+
+    python -m octlm.training.benchmark overhead    # train() against a bare loop, T = 256, 1024
+    python -m octlm.training.benchmark attention   # naive, sdpa, tiled at 1,024 and 4,096 tokens
+
+``overhead`` alternates ``train()`` (data, schedule, clipping, records, progress bar) with a bare
+loop of the same model and batch (forward, backward, AdamW step on one fixed batch), a few
+times each, in one process, and compares their tokens per second over the steps after the
+first. ``attention`` runs ``octlm train`` once per implementation, length and dtype, each in a
+fresh process because ``ru_maxrss`` is a lifetime peak, and records that run's tokens per
+second and peak memory. This is a benchmark, not a test: its figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.benchmark import Timer
+from tqdm.auto import tqdm
+
+from octlm import records
+from octlm.model import OctLM
+from octlm.training import data, resolve, train
+from octlm.training.metrics import METRICS, Metrics
+from octlm.training.optim import make_optimizer, make_scheduler
+
+OUTPUT = "runs/bench-training-cpu.jsonl"
+TOKENS_PER_STEP = 4096  # batch x length, the same at every length
+
+
+def _corpus(folder: Path) -> Path:
+    """A few MB of the standard library as one file: enough for any batch, quick to write."""
+    root, glob = data.default_corpus()
+    path = folder / "corpus.txt"
+    with path.open("wb") as out:
+        for document in data.find_documents(root / "email", glob):
+            out.write(document.read_bytes())
+    return path
+
+
+def _bare_loop(model_config, run, steps: int) -> float:
+    """Tokens per second of forward, backward and AdamW step, over ``steps`` after a first."""
+    torch.manual_seed(run.seed)
+    model = OctLM(model_config)
+    optimizer = make_optimizer(model, run.lr, run.weight_decay)
+    tokens = torch.randint(256, (run.batch, run.length + 1))  # (B, T + 1)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+    began = time.perf_counter()
+    for step in range(steps + 1):
+        if step == 1:
+            began = time.perf_counter()
+        logits = model(inputs)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+    return steps * run.batch * run.length / (time.perf_counter() - began)
+
+
+def _loop(model_config, run, steps: int, folder: Path) -> float:
+    """Tokens per second of ``train()`` over steps ``steps + 1 .. 2 * steps``.
+
+    The run logs every ``steps`` steps and goes one step further, so its second record times
+    warm steps only, and the final evaluation and checkpoint come after it.
+    """
+    train(model_config, run, folder, overwrite=True, progress=True)
+    found = [r for r in records.read(folder / METRICS) if r["kind"] == "train_step"]
+    return next(r["tokens_per_second"] for r in found if r["step"] == 2 * steps)
+
+
+def _extras(model_config, run, corpus: Path, scratch: Path) -> dict:
+    """Seconds per step of what ``train()`` adds to the bare loop, each timed on its own.
+
+    Drawing the batch from the memory-mapped tokens, clipping (the gradient norm), the
+    schedule, and the progress bar; a logged step adds a record. Timed with
+    ``torch.utils.benchmark`` over many calls, so they hold up on a busy machine where
+    whole-loop timings do not.
+    """
+    tokens_folder = scratch / "tokens"
+    data.write_tokens(corpus, data.DEFAULT_GLOB, run.val_share, tokens_folder)
+    batches = data.Batches(data.load_tokens(tokens_folder, "train", run.length), run.length, 0)
+    model = OctLM(model_config)
+    for parameter in model.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    optimizer = make_optimizer(model, run.lr, run.weight_decay)
+    scheduler = make_scheduler(optimizer, warmup=run.warmup, steps=10**9, min_ratio=0.1)
+    bar = tqdm(total=10**9, disable=False, file=open(os.devnull, "w"))  # noqa: SIM115
+    log = Metrics(scratch, "cpu", enabled=True)
+    statements = {
+        "batch": lambda: batches.next(run.batch),
+        "clip": lambda: nn.utils.clip_grad_norm_(model.parameters(), run.clip),
+        "schedule": scheduler.step,
+        "progress": bar.update,
+        "record": lambda: log.write("train_step", step=0, loss=0.0),
+    }
+    timed = {}
+    for name, statement in statements.items():
+        measurement = Timer("statement()", globals={"statement": statement}).blocked_autorange(
+            min_run_time=1.0
+        )
+        timed[name] = measurement.median
+    timed["record"] /= run.log_every  # one record per log_every steps
+    return timed
+
+
+def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 3) -> None:
+    """``train()`` against the bare loop at each length, ``repeats`` times, interleaved."""
+    with tempfile.TemporaryDirectory() as scratch:
+        corpus = _corpus(Path(scratch))
+        for length in lengths:
+            run_values = dict(
+                data=str(corpus), length=length, batch=TOKENS_PER_STEP // length,
+                steps=2 * steps + 1, log_every=steps, eval_every=10**6,
+                checkpoint_every=10**6, eval_batches=1, sample_tokens=0,
+            )  # fmt: skip
+            model_config, run = resolve(run=run_values)
+            loop, bare = [], []
+            for _ in range(repeats):  # interleaved: the machine's load hits both alike
+                loop.append(_loop(model_config, run, steps, Path(scratch, "run")))
+                bare.append(_bare_loop(model_config, run, steps))
+            extras = _extras(model_config, run, corpus, Path(scratch))
+            bare_step = run.batch * run.length / statistics.median(bare)  # seconds
+            record = records.context("train-overhead") | {
+                "length": length, "batch": run.batch, "steps": steps, "repeats": repeats,
+                "extras_seconds": extras, "bare_step_seconds": bare_step,
+                "extras_share": sum(extras.values()) / bare_step,
+                "loop_tokens_per_second": loop, "bare_tokens_per_second": bare,
+                "loop_median": statistics.median(loop), "bare_median": statistics.median(bare),
+                "overhead": 1 - statistics.median(loop) / statistics.median(bare),
+            }  # fmt: skip
+            records.append(output, record)
+            print(json.dumps(record))
+
+
+def attention(output: str, lengths=(1024, 4096), dtypes=("float32", "bfloat16"), steps=2) -> None:
+    """One fresh ``octlm train`` process per (implementation, length, dtype)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        corpus = _corpus(Path(scratch))
+        for length in lengths:
+            for dtype in dtypes:
+                for name in ("naive", "sdpa", "tiled"):
+                    folder = Path(scratch, f"{name}-{length}-{dtype}")
+                    command = [
+                        sys.executable, "-m", "octlm", "train", "--data", str(corpus),
+                        "--out", str(folder), "--attention", name, "--length", str(length),
+                        "--batch", "1", "--dtype", dtype, "--steps", str(steps),
+                        "--log-every", "1", "--eval-every", str(10**6),
+                        "--checkpoint-every", str(10**6), "--eval-batches", "1",
+                        "--sample-tokens", "0",
+                    ]  # fmt: skip
+                    finished = subprocess.run(command, capture_output=True, text=True)
+                    record = records.context("train-attention") | {
+                        "attention": name, "length": length, "dtype": dtype, "batch": 1,
+                        "steps": steps, "status": "ok" if finished.returncode == 0 else "error",
+                    }  # fmt: skip
+                    if finished.returncode == 0:
+                        last = [
+                            r for r in records.read(folder / METRICS) if r["kind"] == "train_step"
+                        ][-1]
+                        record |= {
+                            key: last[key]
+                            for key in ("tokens_per_second", "memory_metric", "peak_bytes")
+                        }
+                    else:
+                        record["reason"] = finished.stderr.strip().splitlines()[-1:]
+                    records.append(output, record)
+                    print(json.dumps(record))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("overhead", "attention"))
+    parser.add_argument("--output", default=OUTPUT)
+    args = parser.parse_args()
+    (overhead if args.what == "overhead" else attention)(args.output)
+
+
+if __name__ == "__main__":
+    main()

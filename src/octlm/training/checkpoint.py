@@ -1,0 +1,88 @@
+"""Checkpoints: written atomically, the last few kept, checked when read back.
+
+A checkpoint is one ``torch.save`` file, ``checkpoint-STEP.pt`` in the run folder, holding the
+full (unsharded) model and optimizer state keyed by parameter name, so a checkpoint of one
+process, of DDP or of FSDP loads the same way, in one process or many. It is first written to
+a temporary file, flushed to disk (fsync), then renamed over its final name: a crash leaves
+either the old set of checkpoints or the new one, never a torn file under a checkpoint's name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from octlm.model import ModelConfig
+
+FORMAT = "octlm-train-1"
+PATTERN = re.compile(r"checkpoint-(\d+)\.pt")
+
+
+def path_for(folder: str | os.PathLike, step: int) -> Path:
+    return Path(folder) / f"checkpoint-{step:07d}.pt"
+
+
+def listed(folder: str | os.PathLike) -> list[Path]:
+    """The run folder's checkpoints, oldest first."""
+    found = [p for p in Path(folder).glob("checkpoint-*.pt") if PATTERN.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(PATTERN.fullmatch(p.name).group(1)))
+
+
+def latest(folder: str | os.PathLike) -> Path | None:
+    found = listed(folder)
+    return found[-1] if found else None
+
+
+def save(folder: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
+    """Write the checkpoint of ``step`` atomically; delete all but the last ``keep``."""
+    final = path_for(folder, step)
+    temporary = final.with_name(f".{final.name}.tmp")
+    with temporary.open("wb") as out:
+        torch.save({"format": FORMAT, "step": step, **state}, out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, final)
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself is durable
+    finally:
+        os.close(directory)
+    for old in listed(folder)[:-keep]:
+        old.unlink()
+    return final
+
+
+def load(path: str | os.PathLike, model_config: ModelConfig) -> dict:
+    """Read a checkpoint and check it was written for ``model_config``; ValueError otherwise."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch reports a torn or foreign file in many ways
+        raise ValueError(
+            f"checkpoint {str(path)!r} is corrupted or not an octlm checkpoint "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "an earlier checkpoint in the folder may still load"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {str(path)!r} is not an {FORMAT} checkpoint")
+    expected = asdict(model_config)
+    stored = state["model_config"]
+    differences = [
+        f"{name} {stored.get(name)!r} (expected {value!r})"
+        for name, value in expected.items()
+        if _normal(stored.get(name)) != _normal(value)
+    ]
+    if differences:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was written for another model: " + ", ".join(differences)
+        )
+    return state
+
+
+def _normal(value):
+    """Tuples and lists compare equal (a block pair may come back from JSON as a list)."""
+    return list(value) if isinstance(value, tuple | list) else value

@@ -1,0 +1,276 @@
+"""What a training run is: the model (``ModelConfig``), the run (``RunConfig``) and presets.
+
+A run's configuration is resolved in layers, later ones winning: ``ModelConfig`` and
+``RunConfig`` defaults, a named preset, a TOML or JSON file (``{"model": {...}, "run":
+{...}}``, the shape of the ``config.json`` every run folder keeps), then the flags given on
+the command line. The model's ``max_length`` follows the run's ``length`` unless set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from octlm.attention import IMPLEMENTATIONS
+from octlm.model import ModelConfig, OctLM, is_int_at_least
+from octlm.training.data import VOCAB
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2),
+    "small": dict(width=256, n_layers=6, n_heads=8, n_kv_heads=4),
+    "base": dict(width=512, n_layers=8, n_heads=8, n_kv_heads=4),
+}
+DEFAULT_PRESET = "tiny"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONFIG_FILE = "config.json"
+# Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
+RESUMABLE = frozenset(
+    {"steps", "device", "compile", "checkpoint_activations", "fsdp", "eval_every"}
+    | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
+)
+
+
+def _option(default, help: str, **flag):
+    """A RunConfig field with its command-line help (and argparse extras)."""
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass
+class RunConfig:
+    """Everything about a run except the model: data, optimisation, precision, bookkeeping."""
+
+    data: str | None = _option(None, "a text file or folder (default: this Python's stdlib)")
+    glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
+    val_share: float = _option(0.1, "share of documents held out for validation")
+    steps: int = _option(1000, "optimizer steps")
+    batch: int = _option(16, "sequences per optimizer step, over all ranks and --accumulate")
+    length: int = _option(128, "tokens per sequence")
+    accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
+    lr: float = _option(3e-3, "peak learning rate")
+    min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of --lr")
+    warmup: int = _option(50, "steps of linear warm-up before the cosine decay")
+    weight_decay: float = _option(0.1, "AdamW weight decay (matrices only)")
+    clip: float = _option(1.0, "gradient norm clipping threshold (0: none)")
+    seed: int = _option(0, "RNG seed of the weights, batches and dropout")
+    dtype: str = _option("float32", "float32, bfloat16 (autocast) or float16 (autocast, CUDA)")
+    device: str | None = _option(None, "cpu or cuda (default: cuda when there is one)")
+    compile: bool = _option(False, "torch.compile the model", action="store_true")
+    checkpoint_activations: bool = _option(
+        False, "recompute each block in backward (less memory)", action="store_true"
+    )
+    eval_every: int = _option(250, "steps between evaluations (and at the end)")
+    eval_batches: int = _option(16, "fixed validation batches per evaluation")
+    checkpoint_every: int = _option(250, "steps between checkpoints (and at the end)")
+    keep: int = _option(3, "checkpoints kept (the latest ones)")
+    log_every: int = _option(10, "steps between metrics.jsonl records")
+    prompt: str = _option("def ", "prompt of the sample printed at each evaluation")
+    sample_tokens: int = _option(96, "bytes sampled at each evaluation")
+    fsdp: bool = _option(False, "shard parameters with FSDP2 (under torchrun)", action="store_true")
+    context_parallel: bool = _option(
+        False, "split each sequence across ranks with ring attention", action="store_true"
+    )
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch", "length", "accumulate", "eval_every", "eval_batches")
+        positive += ("checkpoint_every", "keep", "log_every")
+        for name in positive:
+            if not is_int_at_least(getattr(self, name), 1):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name in ("warmup", "seed", "sample_tokens"):
+            if not is_int_at_least(getattr(self, name), 0):
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        for name, low, high in (("val_share", 0, 1), ("min_lr_ratio", 0, 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not low <= value <= high or value == 1:
+                raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
+        if self.val_share == 0:
+            raise ValueError("val_share must be > 0: evaluation needs held-out documents")
+        for name in ("lr", "weight_decay", "clip"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.fsdp and self.context_parallel:
+            raise ValueError("fsdp and context_parallel cannot be combined: choose one")
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of ``OctLM(config)``, counted on the meta device (no memory, no init time)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in OctLM(config).parameters())
+
+
+def preset_summary() -> str:
+    """One line per preset with its sizes and parameter count."""
+    lines = []
+    for name, sizes in PRESETS.items():
+        count = parameter_count(ModelConfig(**sizes))
+        described = ", ".join(f"{key} {value}" for key, value in sizes.items())
+        lines.append(f"{name}: {described}; {count / 1e6:.2f}M parameters")
+    return "\n".join(lines)
+
+
+def read_file(path: str | Path) -> dict:
+    """A configuration file's ``{"model": {...}, "run": {...}}``; TOML or JSON by extension."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config {str(path)!r} is not a file")
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            content = tomllib.loads(path.read_text())
+        else:
+            content = json.loads(path.read_text())
+    except ValueError as error:  # JSON and TOML decode errors are ValueErrors
+        raise ValueError(f"config {str(path)!r} is not valid {path.suffix[1:]}: {error}") from None
+    unknown = set(content) - {"model", "run"}
+    if not isinstance(content, dict) or unknown:
+        raise ValueError(
+            f"config {str(path)!r} may hold only 'model' and 'run' tables, got {unknown}"
+        )
+    return content
+
+
+def _checked_keys(table: dict, known: set[str], where: str) -> dict:
+    unknown = set(table) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected among {sorted(known)}")
+    return table
+
+
+def resolve(
+    preset: str | None = None,
+    file: str | Path | None = None,
+    model: dict | None = None,
+    run: dict | None = None,
+) -> tuple[ModelConfig, RunConfig]:
+    """Defaults, then ``preset``, then ``file``, then the explicit ``model`` and ``run`` values."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
+    model_fields = {f.name for f in fields(ModelConfig)}
+    run_fields = {f.name for f in fields(RunConfig)}
+    content = read_file(file) if file is not None else {}
+    model_values = dict(PRESETS[preset or DEFAULT_PRESET])
+    model_values |= _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
+    model_values |= model or {}
+    run_values = _checked_keys(content.get("run", {}), run_fields, f"config {file} [run]")
+    run_values = run_values | (run or {})
+    run_config = RunConfig(**run_values)
+    model_values.setdefault("max_length", run_config.length)
+    if run_config.context_parallel:
+        model_values["attention"] = "ring"
+    model_config = model_from_dict(model_values)
+    check_compatible(model_config, run_config)
+    return model_config, run_config
+
+
+def resolve_resumed(
+    folder: str | Path,
+    preset: str | None = None,
+    file: str | Path | None = None,
+    model: dict | None = None,
+    run: dict | None = None,
+) -> tuple[ModelConfig, RunConfig]:
+    """The configuration of the run kept in ``folder``, with the flags given to resume it."""
+    if preset is not None or file is not None:
+        raise ValueError("--resume takes the run's own configuration: drop --preset and --config")
+    stored = Path(folder) / CONFIG_FILE
+    if not stored.is_file():
+        raise ValueError(f"--resume: {str(folder)!r} holds no run (no {CONFIG_FILE})")
+    return resolve(file=stored, model=model, run=run)
+
+
+def model_from_dict(values: dict) -> ModelConfig:
+    """A ``ModelConfig`` from JSON or TOML values (which have lists where it has tuples)."""
+    if isinstance(values.get("block"), list):
+        values = {**values, "block": tuple(values["block"])}
+    return ModelConfig(**values)
+
+
+def check_compatible(model: ModelConfig, run: RunConfig) -> None:
+    """Raise ValueError where the model and the run disagree."""
+    if model.vocab_size < VOCAB:
+        raise ValueError(f"byte tokens need vocab_size >= {VOCAB}, got {model.vocab_size}")
+    if run.length > model.max_length:
+        raise ValueError(f"length ({run.length}) exceeds max_length ({model.max_length})")
+    if model.attention == "ring" and not run.context_parallel:
+        raise ValueError("attention 'ring' runs only with --context-parallel under torchrun")
+
+
+def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
+    """Raise ValueError naming every field where a resumed run departs from ``stored``."""
+    resolved = to_dict(model, run)
+    differences = [
+        f"{table}.{name}: {stored[table].get(name)!r} in the run, {value!r} now"
+        for table in ("model", "run")
+        for name, value in resolved[table].items()
+        if not (table == "run" and name in RESUMABLE)
+        and json.loads(json.dumps(value)) != stored[table].get(name)
+    ]
+    if differences:
+        raise ValueError(
+            "--resume continues a run with its own configuration; these differ from its "
+            f"{CONFIG_FILE}: " + "; ".join(differences)
+        )
+
+
+def to_dict(model: ModelConfig, run: RunConfig) -> dict:
+    """The fully resolved configuration, as ``config.json`` holds it."""
+    return {"model": asdict(model), "run": asdict(run)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``RunConfig`` and ``ModelConfig`` field (``--n-kv-heads``), default unset."""
+    run_group = parser.add_argument_group("run")
+    for field in fields(RunConfig):
+        extras = {k: v for k, v in field.metadata.items() if k != "help"}
+        help = field.metadata["help"]
+        if "action" not in extras:
+            extras |= {"type": _field_type(field.type), "metavar": field.name.upper()}
+            help += "" if field.default is None else f" (default {field.default})"
+        if field.name == "dtype":
+            extras |= {"choices": list(DTYPES), "metavar": None}
+        run_group.add_argument(
+            _flag(field.name), dest=f"run.{field.name}", default=None, help=help, **extras
+        )
+    model_group = parser.add_argument_group("model (default: the preset's, else ModelConfig's)")
+    for field in fields(ModelConfig):
+        extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
+        if field.name == "block":
+            extras = {"type": int, "nargs": "+", "metavar": "B", "help": "B, or BLOCK_Q BLOCK_K"}
+        if field.name == "attention":
+            extras = {"choices": list(IMPLEMENTATIONS)}
+        model_group.add_argument(
+            _flag(field.name), dest=f"model.{field.name}", default=None, **extras
+        )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(annotation: str):
+    """The argparse type of a dataclass field annotated like ``int`` or ``str | None``."""
+    for name, kind in (("int", int), ("float", float), ("str", str)):
+        if annotation.split(" | ")[0] == name:
+            return kind
+    raise TypeError(f"no command-line type for annotation {annotation!r}")
+
+
+def explicit_values(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The ``model`` and ``run`` values given on the command line (unset flags left out)."""
+    given = {name: value for name, value in vars(args).items() if value is not None}
+    model = {name[6:]: value for name, value in given.items() if name.startswith("model.")}
+    run = {name[4:]: value for name, value in given.items() if name.startswith("run.")}
+    if "block" in model:
+        block = model["block"]
+        model["block"] = block[0] if len(block) == 1 else tuple(block)
+    return model, run

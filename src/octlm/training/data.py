@@ -1,0 +1,190 @@
+"""Byte-level training data: text files -> one uint8 token file per split, memory-mapped.
+
+A corpus is one text file or a folder of files matched by a recursive glob; each file is a
+document. A document goes to validation when a hash of its path (relative to the corpus root)
+falls below the validation share, so the split is the same on every machine and in every run,
+whatever order the files are found in. A single file is one document: its last ``val_share`` of
+bytes is held out instead.
+
+Tokens are the bytes themselves (vocabulary 256). They are written once to ``train.bin`` and
+``val.bin`` and read back with ``torch.from_file``, a memory map: a corpus larger than memory
+costs only the pages that batches touch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+VOCAB = 256
+SPLITS = ("train", "val")
+DEFAULT_GLOB = "**/*.txt"
+STDLIB_GLOB = "**/*.py"
+# Installed packages are not the standard library, wherever an interpreter keeps them.
+SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+SUMMARY = "data.json"
+
+
+def default_corpus() -> tuple[Path, str]:
+    """The running interpreter's standard library sources: real text on every machine."""
+    return Path(sysconfig.get_paths()["stdlib"]), STDLIB_GLOB
+
+
+def find_documents(path: str | os.PathLike, glob: str) -> list[Path]:
+    """The files of a corpus, sorted: ``path`` itself, or the files under it matching ``glob``."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"data {str(path)!r} does not exist: expected a text file or a folder")
+    if path.is_file():
+        return [path]
+    files = sorted(
+        file
+        for file in path.glob(glob)
+        if file.is_file() and not SKIPPED_FOLDERS.intersection(file.relative_to(path).parts)
+    )
+    if not files:
+        raise ValueError(f"data folder {str(path)!r} has no file matching glob {glob!r}")
+    return files
+
+
+def path_fraction(relative: Path) -> float:
+    """A document's place in [0, 1): the hash of its path relative to the corpus root."""
+    digest = hashlib.sha256(relative.as_posix().encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def held_out(relatives: list[Path], val_share: float) -> set[Path]:
+    """The documents whose path fraction falls below ``val_share``.
+
+    A small corpus may get none (or only held-out ones); then the document nearest the cut
+    crosses over, so that both sides have one whenever there are two documents.
+    """
+    ranked = sorted(relatives, key=path_fraction)
+    chosen = {r for r in ranked if path_fraction(r) < val_share}
+    if len(ranked) >= 2 and not chosen:
+        chosen = {ranked[0]}
+    if len(ranked) >= 2 and len(chosen) == len(ranked):
+        chosen.discard(ranked[-1])
+    return chosen
+
+
+def write_tokens(
+    path: str | os.PathLike, glob: str, val_share: float, folder: str | os.PathLike
+) -> dict:
+    """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus; return its summary.
+
+    The summary (also saved as ``folder/data.json``) counts documents and bytes per split and
+    the empty files skipped. Raises ValueError for an empty corpus or an empty split.
+    """
+    path, folder = Path(path), Path(folder)
+    documents = find_documents(path, glob)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {"source": str(path), "glob": glob, "val_share": val_share, "empty_skipped": 0}
+    summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
+    validation = (
+        held_out([d.relative_to(path) for d in documents if d.stat().st_size], val_share)
+        if path.is_dir()
+        else set()
+    )
+    outputs = {split: (folder / f".{split}.bin.tmp").open("wb") for split in SPLITS}
+    try:
+        for document in documents:
+            text = document.read_bytes()
+            if not text:
+                summary["empty_skipped"] += 1
+                continue
+            if path.is_file():  # one document: hold out its tail
+                cut = len(text) - int(len(text) * val_share)
+                parts = {"train": text[:cut], "val": text[cut:]}
+            else:
+                split = "val" if document.relative_to(path) in validation else "train"
+                parts = {split: text}
+            for split, part in parts.items():
+                outputs[split].write(part)
+                summary[f"{split}_documents"] += 1
+                summary[f"{split}_bytes"] += len(part)
+    finally:
+        for output in outputs.values():
+            output.close()
+    if summary["empty_skipped"] == len(documents):
+        raise ValueError(f"data {str(path)!r}: every matched file is empty ({len(documents)})")
+    for split in SPLITS:
+        if summary[f"{split}_bytes"] == 0:
+            raise ValueError(
+                f"data {str(path)!r}: the {split} split is empty ({summary['train_documents']} "
+                f"train and {summary['val_documents']} validation documents at val_share "
+                f"{val_share}); add documents or change --val-share"
+            )
+        os.replace(folder / f".{split}.bin.tmp", folder / f"{split}.bin")
+    (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def read_summary(folder: str | os.PathLike) -> dict | None:
+    """The summary of tokens already written to ``folder``, or None."""
+    path = Path(folder) / SUMMARY
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def load_tokens(folder: str | os.PathLike, split: str, length: int) -> Tensor:
+    """The memory-mapped uint8 tokens ``(N,)`` of one split, checked to hold a sequence."""
+    path = Path(folder) / f"{split}.bin"
+    size = path.stat().st_size
+    if size <= length:
+        raise ValueError(
+            f"the {split} split has {size} bytes, too few for one sequence of length {length} "
+            "plus its next-token target; use more data or a smaller --length"
+        )
+    return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+
+
+def windows(tokens: Tensor, starts: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """Inputs and next-token targets ``(B, length)`` int64 at ``starts (B,)``."""
+    offsets = torch.arange(length + 1)  # (length + 1,)
+    window = tokens[starts.view(-1, 1) + offsets].long()  # (B, length + 1)
+    return window[:, :-1], window[:, 1:]
+
+
+@dataclass
+class Batches:
+    """Random windows of one split, drawn by a seeded generator whose state is the data position.
+
+    Every rank draws the same global batch; checkpoints save :meth:`state_dict`, so a resumed
+    run continues with the very batches the uninterrupted run would have drawn.
+    """
+
+    tokens: Tensor  # (N,) uint8
+    length: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def next(self, batch: int) -> tuple[Tensor, Tensor]:
+        """The next global batch: inputs and targets ``(batch, length)`` int64."""
+        starts = torch.randint(
+            len(self.tokens) - self.length, (batch,), generator=self.generator
+        )  # (batch,)
+        return windows(self.tokens, starts, self.length)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def evaluation_batches(
+    tokens: Tensor, length: int, batch: int, count: int
+) -> list[tuple[Tensor, Tensor]]:
+    """``count`` fixed batches whose windows are spread evenly over the whole split."""
+    last = len(tokens) - length - 1
+    starts = torch.linspace(0, last, count * batch).round().long()  # (count * batch,)
+    return [windows(tokens, chunk, length) for chunk in starts.split(batch)]

@@ -1,0 +1,395 @@
+"""The training loop, top to bottom: folder, data, model, then steps with evals and checkpoints.
+
+One optimizer step draws the global batch ``(B, T)`` (the same on every rank), keeps this
+rank's rows (or, under context parallelism, all rows and this rank's positions), cuts them into
+``accumulate`` micro-batches, and adds their gradients; then clipping, AdamW, the schedule.
+Every source of randomness is seeded and checkpointed (weights, batch positions, dropout), so
+on CPU in float32 a run resumed from step ``k`` repeats the uninterrupted run's losses exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import shutil
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.checkpoint import checkpoint as recompute
+from tqdm.auto import tqdm
+
+from octlm.model import ModelConfig, OctLM
+from octlm.parallel import context_parallel_loss
+from octlm.training import checkpoint, data, distributed
+from octlm.training.config import (
+    CONFIG_FILE,
+    DTYPES,
+    RunConfig,
+    check_resumable,
+    parameter_count,
+    read_file,
+    to_dict,
+)
+from octlm.training.distributed import Cluster
+from octlm.training.metrics import Metrics, peak_memory, plot
+from octlm.training.optim import make_optimizer, make_scheduler
+from octlm.training.sample import generate_text, single_process
+
+DATA_FOLDER = "data"
+LN2 = math.log(2)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Where a run ended: the step reached, its last evaluation, why it stopped."""
+
+    folder: Path
+    step: int
+    val_loss: float | None
+    val_bits_per_byte: float | None
+    stopped_by: str | None  # the signal that ended the run early, None if it ran to the end
+    rank: int  # this process's rank: 0 speaks for the run
+
+
+def train(
+    model_config: ModelConfig,
+    run: RunConfig,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Outcome:
+    """Train ``OctLM(model_config)`` as ``run`` says, keeping everything in the folder ``out``.
+
+    A new run refuses a non-empty ``out`` unless ``overwrite``; ``resume`` continues from the
+    latest checkpoint there. Under torchrun every process calls this; rank 0 writes the files.
+    SIGINT and SIGTERM end the run after the current step, with a checkpoint.
+    """
+    cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
+    try:
+        with _stop_on_signals() as stop:
+            return _train(model_config, run, Path(out), cluster, resume, overwrite, progress, stop)
+    finally:
+        distributed.teardown(cluster)
+
+
+def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop) -> Outcome:
+    _check_run(model_config, run, cluster)
+    summary = _on_main(cluster, lambda: _prepare(folder, model_config, run, resume, overwrite))
+    tokens = {
+        split: data.load_tokens(folder / DATA_FOLDER, split, run.length) for split in data.SPLITS
+    }
+    torch.manual_seed(run.seed)  # the same initial weights on every rank
+    raw = OctLM(model_config).to(cluster.device)
+    if run.checkpoint_activations:
+        _recompute_blocks(raw)
+    distributed.shard(raw, cluster)
+    optimizer = make_optimizer(raw, run.lr, run.weight_decay)
+    scheduler = make_scheduler(
+        optimizer, warmup=run.warmup, steps=run.steps, min_ratio=run.min_lr_ratio
+    )
+    scaler = torch.amp.GradScaler(cluster.device.type, enabled=run.dtype == "float16")
+    batches = data.Batches(tokens["train"], run.length, run.seed)
+    validation = data.evaluation_batches(tokens["val"], run.length, run.batch, run.eval_batches)
+    torch.manual_seed(run.seed + cluster.rank)  # dropout differs between ranks' rows
+    metrics = Metrics(folder, cluster.device, enabled=cluster.is_main)
+    start = 0
+    if resume:
+        start = _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster)
+        metrics.forget_after(start)
+    model = distributed.wrap(raw, cluster)
+    if run.compile:
+        model = torch.compile(model)
+    autocast = torch.autocast(
+        cluster.device.type, dtype=DTYPES[run.dtype], enabled=run.dtype != "float32"
+    )
+    if cluster.is_main:
+        _announce(summary, model_config, run, cluster, start)
+
+    bar = tqdm(
+        total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
+    )
+    began, tokens_seen = time.perf_counter(), 0
+    last_eval, stopped_by = None, None
+    step = start
+    for step in range(start + 1, run.steps + 1):
+        inputs, targets = batches.next(run.batch)  # (B, T) each, the same on every rank
+        loss, grad_norm, lr = _step(
+            model, raw, inputs, targets, optimizer, scaler, autocast, run, cluster
+        )
+        scheduler.step()
+        bar.update()
+        tokens_seen += run.batch * run.length
+        signalled = cluster.any(stop["signal"] is not None)
+        final = step == run.steps or signalled
+        train_loss = None
+        if step % run.log_every == 0 or final:
+            train_loss = cluster.total(loss).item()
+            seconds = time.perf_counter() - began
+            metrics.write(
+                "train_step", step=step, loss=train_loss, lr=lr, grad_norm=grad_norm.item(),
+                tokens_per_second=tokens_seen / seconds, **peak_memory(cluster.device),
+            )  # fmt: skip
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_seen / seconds:,.0f}")
+            began, tokens_seen = time.perf_counter(), 0
+        if step % run.eval_every == 0 or step == run.steps:
+            train_loss = cluster.total(loss).item() if train_loss is None else train_loss
+            last_eval = _evaluate(model, raw, validation, autocast, run, model_config, cluster)
+            metrics.write(
+                "eval", step=step, loss=train_loss, val_loss=last_eval[0],
+                val_bits_per_byte=last_eval[1], sample=last_eval[2],
+            )  # fmt: skip
+            if cluster.is_main:
+                bar.write(
+                    f"step {step}: val loss {last_eval[0]:.4f}, {last_eval[1]:.3f} bits per byte"
+                    f"\n  sample: {last_eval[2]!r}"
+                )
+                plot(folder)
+            began, tokens_seen = time.perf_counter(), 0  # evaluation is not training time
+        if step % run.checkpoint_every == 0 or final:
+            _save(
+                folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster
+            )
+        if signalled:
+            stopped_by = stop["signal"] or "a signal on another rank"
+            break
+    bar.close()
+    if cluster.is_main and stopped_by:
+        print(f"stopped by {stopped_by} after step {step}; continue with --resume")
+    val_loss, val_bits_per_byte, _sample = last_eval or (None, None, None)
+    return Outcome(folder, step, val_loss, val_bits_per_byte, stopped_by, cluster.rank)
+
+
+def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> None:
+    """Raise ValueError (on every rank alike) for a run these processes cannot do."""
+    if run.dtype == "float16" and cluster.device.type != "cuda":
+        raise ValueError(
+            "dtype float16 needs CUDA (its gradient scaler is CUDA's); use bfloat16 on CPU"
+        )
+    parts = cluster.data_ranks * run.accumulate
+    if run.batch % parts:
+        raise ValueError(
+            f"batch ({run.batch}) must be a multiple of data-parallel ranks x accumulate "
+            f"({cluster.data_ranks} x {run.accumulate} = {parts})"
+        )
+    if cluster.mode == "context" and run.length % (2 * cluster.world):
+        raise ValueError(
+            f"context parallelism cuts each sequence into 2 x {cluster.world} ranks chunks: "
+            f"length ({run.length}) must be a multiple of {2 * cluster.world}"
+        )
+
+
+def _on_main(cluster: Cluster, work):
+    """Run ``work`` on rank 0 and return its result on every rank; its ValueError too."""
+    result = None
+    if cluster.is_main:
+        try:
+            result = ("ok", work())
+        except ValueError as error:
+            result = ("error", str(error))
+    result = cluster.share(result)
+    if result[0] == "error":
+        raise ValueError(result[1])
+    return result[1]
+
+
+def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> dict:
+    """Check or create the run folder, write ``config.json`` and the token files; their summary."""
+    config_path = folder / CONFIG_FILE
+    if resume:
+        if not config_path.is_file():
+            raise ValueError(f"--resume: {str(folder)!r} holds no run (no {CONFIG_FILE})")
+        check_resumable(read_file(config_path), model_config, run)
+        if checkpoint.latest(folder) is None:
+            raise ValueError(f"--resume: {str(folder)!r} has no checkpoint to resume from")
+    elif folder.exists() and any(folder.iterdir()):
+        if not overwrite:
+            raise ValueError(
+                f"run folder {str(folder)!r} is not empty: pass --resume to continue its run "
+                "or --overwrite to start it again"
+            )
+        if not config_path.is_file():
+            raise ValueError(
+                f"--overwrite clears only run folders, and {str(folder)!r} has no {CONFIG_FILE}"
+            )
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = data.read_summary(folder / DATA_FOLDER)
+    if summary is None:
+        source, glob = data.default_corpus()
+        source, glob = (
+            (source, glob) if run.data is None else (run.data, run.glob or data.DEFAULT_GLOB)
+        )
+        summary = data.write_tokens(source, run.glob or glob, run.val_share, folder / DATA_FOLDER)
+    if not resume:
+        config_path.write_text(json.dumps(to_dict(model_config, run), indent=2) + "\n")
+    return summary
+
+
+def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster) -> int:
+    """Load the latest checkpoint into everything; the step it was taken after."""
+    state = checkpoint.load(checkpoint.latest(folder), model_config)
+    distributed.load_full_state(raw, optimizer, state["model"], state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    batches.load_state_dict(state["data"])
+    rng = state["rng"]
+    if cluster.rank < len(rng):  # a run resumed on more ranks seeds its new ranks' dropout afresh
+        torch.set_rng_state(rng[cluster.rank]["cpu"])
+        if cluster.device.type == "cuda" and rng[cluster.rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(rng[cluster.rank]["cuda"], cluster.device)
+    return state["step"]
+
+
+def _save(folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster):
+    """Write the checkpoint of ``step`` from rank 0 (gathering shards and RNG states first)."""
+    model_state, optimizer_state = distributed.full_state(raw, optimizer)
+    cuda = cluster.device.type == "cuda"
+    rng = cluster.gather(
+        {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(cluster.device) if cuda else None,
+        }
+    )
+    if cluster.is_main:
+        checkpoint.save(
+            folder, step,
+            {
+                "model_config": asdict(model_config), "run": asdict(run), "world": cluster.world,
+                "model": model_state, "optimizer": optimizer_state,
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "data": batches.state_dict(), "rng": rng,
+            },
+            keep=run.keep,
+        )  # fmt: skip
+    cluster.barrier()
+
+
+def _loss(model: nn.Module, inputs: Tensor, targets: Tensor, cluster: Cluster) -> Tensor:
+    """This rank's loss: the mean over its rows, or its share of the whole batch's mean (CP)."""
+    if cluster.mode == "context":
+        return context_parallel_loss(model, inputs, targets)
+    logits = model(inputs)  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _micro_batches(inputs: Tensor, targets: Tensor, run: RunConfig, cluster: Cluster):
+    """This rank's rows of a global batch, cut into ``accumulate`` equal micro-batches."""
+    parts = zip(
+        cluster.rows(inputs).chunk(run.accumulate),
+        cluster.rows(targets).chunk(run.accumulate),
+        strict=True,
+    )
+    for x, y in parts:
+        yield x.to(cluster.device), y.to(cluster.device)  # (b, T) each
+
+
+def _step(model, raw, inputs, targets, optimizer, scaler, autocast, run, cluster):
+    """One optimizer step on this rank's part of the global batch; (loss, grad norm, lr)."""
+    device = cluster.device
+    total = torch.zeros((), device=device)
+    for index, (x, y) in enumerate(_micro_batches(inputs, targets, run, cluster)):
+        with distributed.gradient_sync(model, enabled=index == run.accumulate - 1):
+            with autocast:
+                loss = _loss(model, x, y, cluster) / run.accumulate
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    distributed.finish_gradients(raw, cluster)
+    scaler.unscale_(optimizer)
+    grad_norm = nn.utils.clip_grad_norm_(raw.parameters(), run.clip or math.inf)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    lr = optimizer.param_groups[0]["lr"]
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm, lr
+
+
+@torch.no_grad()
+def _evaluate(model, raw, validation, autocast, run, model_config, cluster):
+    """Mean loss over the fixed validation batches, its bits per byte, and a greedy sample."""
+    model.eval()
+    losses = []
+    for inputs, targets in validation:  # (B, T) each
+        for x, y in _micro_batches(inputs, targets, run, cluster):
+            with autocast:
+                loss = _loss(model, x, y, cluster)
+            losses.append(cluster.total(loss).item())
+    model.train()
+    val_loss = sum(losses) / len(losses)
+    sampler = _sampling_model(raw, model_config, cluster)
+    text = generate_text(sampler, run.prompt, run.sample_tokens) if sampler is not None else None
+    return val_loss, val_loss / LN2, text
+
+
+def _sampling_model(raw: OctLM, model_config: ModelConfig, cluster: Cluster) -> OctLM | None:
+    """A model that can decode in this process, on rank 0 (None elsewhere).
+
+    Sharded (FSDP) or ring-attention models need every rank for a forward pass, so rank 0
+    decodes with a plain copy built from the gathered weights.
+    """
+    if cluster.mode in ("single", "ddp"):
+        return raw if cluster.is_main else None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(raw, options=options)  # a collective
+    if not cluster.is_main:
+        return None
+    copy = OctLM(single_process(model_config))
+    copy.load_state_dict(state)
+    return copy.to(cluster.device)
+
+
+def _recompute_blocks(model: OctLM) -> None:
+    """Activation checkpointing: each block keeps only its input and recomputes in backward.
+
+    The block's ``forward`` is wrapped in place, so parameter names (and checkpoints) stay
+    those of the plain model.
+    """
+    for block in model.blocks:
+        block.forward = functools.partial(recompute, block.forward, use_reentrant=False)
+
+
+def _announce(
+    summary: dict, model_config: ModelConfig, run: RunConfig, cluster: Cluster, start: int
+) -> None:
+    parameters = parameter_count(model_config)
+    print(
+        f"data {summary['source']} ({summary['glob']}): "
+        f"train {summary['train_documents']} documents, {summary['train_bytes']:,} bytes; "
+        f"validation {summary['val_documents']} documents, {summary['val_bytes']:,} bytes"
+        + (f"; {summary['empty_skipped']} empty files skipped" if summary["empty_skipped"] else "")
+    )
+    print(
+        f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
+        f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, {run.dtype}; "
+        f"batch {run.batch} x {run.length} tokens, steps {start + 1}..{run.steps}"
+    )
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """``{"signal": name or None}``, set when SIGINT or SIGTERM arrives during the block."""
+    stop = {"signal": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, _frame):
+        stop["signal"] = signal.Signals(signum).name
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)

@@ -1,0 +1,84 @@
+"""A run's records (``RUN_DIR/metrics.jsonl``) and its loss-curve picture.
+
+One JSON object per line, appended and fsynced as it is written (docs/design.md §5), with the
+context fields every octlm record carries. Lines are of two kinds:
+
+- ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
+  whole global batch), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
+  ``memory_metric`` and ``peak_bytes``;
+- ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss``,
+  ``val_bits_per_byte`` and ``sample`` (bytes generated from the fixed prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from octlm import records
+from octlm.bench import memory
+
+METRICS = "metrics.jsonl"
+PICTURE = "loss.png"
+EXPERIMENT = "train"
+
+
+def peak_memory(device) -> dict:
+    """The run's peak memory with the right instrument: CUDA allocator or process RSS."""
+    return {"memory_metric": memory.metric(str(device)), "peak_bytes": memory.peak(str(device))}
+
+
+class Metrics:
+    """Appends records to ``folder/metrics.jsonl``; only the main rank writes."""
+
+    def __init__(self, folder: str | os.PathLike, device, enabled: bool):
+        self.path = Path(folder) / METRICS
+        self.enabled = enabled
+        self.context = records.context(EXPERIMENT, device) if enabled else {}
+
+    def write(self, kind: str, **fields) -> None:
+        if self.enabled:
+            stamp = records.context(EXPERIMENT)["time"]
+            records.append(self.path, {**self.context, "time": stamp, "kind": kind, **fields})
+
+    def forget_after(self, step: int) -> None:
+        """Drop records past ``step``: a resumed run writes those steps again."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [r for r in records.read(self.path) if r.get("step", 0) <= step]
+        temporary = self.path.with_name(f".{METRICS}.tmp")
+        temporary.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(temporary, self.path)
+
+
+def plot(folder: str | os.PathLike) -> Path:
+    """Draw ``folder/loss.png``: training and validation loss (bits per byte) against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    found = list(records.read(folder / METRICS))
+    steps = [r for r in found if r.get("kind") == "train_step"]
+    evals = [r for r in found if r.get("kind") == "eval"]
+    figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    log2 = 0.6931471805599453
+    axes.plot([r["step"] for r in steps], [r["loss"] / log2 for r in steps], label="train")
+    axes.plot(
+        [r["step"] for r in evals],
+        [r["val_bits_per_byte"] for r in evals],
+        marker="o",
+        label="validation",
+    )
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss (bits per byte)")
+    axes.set_title(f"{folder.name}: byte-level next-token loss")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path = folder / PICTURE
+    figure.savefig(path)
+    plt.close(figure)
+    return path

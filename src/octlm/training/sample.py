@@ -1,0 +1,73 @@
+"""Text from a trained model: the latest checkpoint of a run folder, decoded with the KV cache."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from octlm.model import ModelConfig, OctLM
+from octlm.training import checkpoint
+from octlm.training.config import CONFIG_FILE, model_from_dict
+
+
+def single_process(config: ModelConfig) -> ModelConfig:
+    """The config to run a model in one process: ring attention's local twin is tiled."""
+    return replace(config, attention="tiled") if config.attention == "ring" else config
+
+
+def generate_text(
+    model: OctLM,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+) -> str:
+    """``prompt`` continued by ``max_new_tokens`` bytes, decoded as UTF-8 (bad bytes replaced).
+
+    The model knows positions up to ``max_length`` only, so a longer text is decoded in
+    windows: when one is full, decoding starts again (a new KV cache) from the last
+    ``max_length // 2`` bytes, as nanoGPT crops its context.
+    """
+    if not prompt:
+        raise ValueError("prompt must be a non-empty string")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    device = next(model.parameters()).device
+    limit = model.config.max_length
+    tokens = torch.tensor([list(prompt.encode())], device=device)  # (1, P)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        new = 0
+        while new < max_new_tokens:
+            fits = new == 0 and tokens.shape[1] < limit
+            context = tokens if fits else tokens[:, -(limit // 2) :]  # (1, C)
+            count = min(limit - context.shape[1], max_new_tokens - new)
+            drawn = model.generate(context, count, temperature, top_k, generator)  # (1, C + n)
+            tokens = torch.cat([tokens, drawn[:, context.shape[1] :]], dim=1)  # (1, P + new)
+            new += count
+    finally:
+        model.train(was_training)
+    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+
+
+def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int]:
+    """The model of a run folder at its latest checkpoint, and that checkpoint's step."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        raise ValueError(f"run folder {str(folder)!r} has no {CONFIG_FILE}: not an octlm run")
+    model_config = model_from_dict(json.loads((folder / CONFIG_FILE).read_text())["model"])
+    path = checkpoint.latest(folder)
+    if path is None:
+        raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
+    state = checkpoint.load(path, model_config)
+    model = OctLM(single_process(model_config))
+    model.load_state_dict(state["model"])
+    return model.to(device), state["step"]

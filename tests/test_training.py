@@ -1,0 +1,461 @@
+"""octlm train in one process: data, configuration, schedule, the loop, checkpoints, sampling.
+
+Runs use a model of a few thousand parameters on a few kilobytes of generated text, so each
+takes about a second; what they check (exact resume, errors, records) does not depend on size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from octlm.cli import main
+from octlm.model import ModelConfig, OctLM
+from octlm.training import checkpoint, config, data, train
+from octlm.training.config import RunConfig, resolve
+from octlm.training.metrics import METRICS, PICTURE
+from octlm.training.optim import lr_factor, make_optimizer
+from octlm.training.sample import generate_text, load_run
+
+TINY_MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
+TINY_RUN = dict(
+    steps=6, batch=4, length=16, eval_every=3, eval_batches=2, checkpoint_every=2, keep=10,
+    log_every=1, sample_tokens=4, warmup=2, lr=1e-2,
+)  # fmt: skip
+
+
+def write_corpus(folder: Path, documents: int = 12, size: int = 600) -> Path:
+    """A folder of ``documents`` text files of Python-like lines, in two sub-folders."""
+    generator = torch.Generator().manual_seed(0)
+    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n    ", b"import ", b"0", b"1"]
+    for index in range(documents):
+        picks = torch.randint(len(words), (size,), generator=generator).tolist()
+        text = b"".join(words[i] for i in picks)[:size]
+        path = folder / f"part{index % 2}" / f"doc{index}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text)
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus")
+
+
+def configs(corpus: Path, **run) -> tuple[ModelConfig, RunConfig]:
+    return resolve(model=TINY_MODEL, run={**TINY_RUN, "data": str(corpus), **run})
+
+
+def read_metrics(folder: Path, kind: str) -> list[dict]:
+    lines = (folder / METRICS).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def losses(folder: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(folder, "train_step")}
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in checkpoint.listed(folder)}
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def test_documents_go_whole_to_one_split_by_path_hash(corpus, tmp_path):
+    summary = data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
+    documents = data.find_documents(corpus, "**/*.txt")
+    held_out = [d for d in documents if data.path_fraction(d.relative_to(corpus)) < 0.3]
+    assert 0 < len(held_out) < len(documents)
+    for split, chosen in (
+        ("val", held_out),
+        ("train", [d for d in documents if d not in held_out]),
+    ):
+        expected = b"".join(d.read_bytes() for d in chosen)  # sorted order, as written
+        assert (tmp_path / "tokens" / f"{split}.bin").read_bytes() == expected
+        assert summary[f"{split}_documents"] == len(chosen)
+        assert summary[f"{split}_bytes"] == len(expected)
+
+
+def test_split_does_not_depend_on_where_the_corpus_lies(corpus, tmp_path):
+    moved = write_corpus(tmp_path / "elsewhere" / "copy")
+    first = data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "a")
+    second = data.write_tokens(moved, "**/*.txt", 0.3, tmp_path / "b")
+    assert {k: v for k, v in first.items() if k != "source"} == {
+        k: v for k, v in second.items() if k != "source"
+    }
+
+
+@pytest.mark.parametrize("val_share", [1e-9, 0.999999999])
+def test_small_corpus_still_gets_both_splits(val_share):
+    relatives = [Path(f"doc{i}.txt") for i in range(3)]
+    ranked = sorted(relatives, key=data.path_fraction)
+    chosen = data.held_out(relatives, val_share)
+    expected = {ranked[0]} if val_share < 0.5 else set(ranked[:2])
+    assert chosen == expected
+
+
+def test_single_file_holds_out_its_tail(tmp_path):
+    text = bytes(range(256)) * 4
+    (tmp_path / "one.txt").write_bytes(text)
+    data.write_tokens(tmp_path / "one.txt", "**/*.txt", 0.25, tmp_path / "tokens")
+    assert (tmp_path / "tokens" / "train.bin").read_bytes() == text[:768]
+    assert (tmp_path / "tokens" / "val.bin").read_bytes() == text[768:]
+
+
+def test_tokens_are_memory_mapped_bytes(corpus, tmp_path):
+    data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
+    tokens = data.load_tokens(tmp_path / "tokens", "train", 16)
+    assert tokens.dtype == torch.uint8
+    assert bytes(tokens.tolist()) == (tmp_path / "tokens" / "train.bin").read_bytes()
+
+
+def test_default_corpus_is_the_standard_library():
+    root, glob = data.default_corpus()
+    assert (root / "os.py").is_file() and glob == "**/*.py"
+    found = data.find_documents(root / "json", glob)
+    assert root / "json" / "decoder.py" in found
+    assert not any(data.SKIPPED_FOLDERS.intersection(p.parts) for p in found)
+
+
+def test_batches_are_shifted_windows_and_resume_from_their_state(corpus, tmp_path):
+    data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
+    tokens = data.load_tokens(tmp_path / "tokens", "train", 16)
+    batches = data.Batches(tokens, 16, seed=3)
+    inputs, targets = batches.next(5)  # (5, 16) each
+    assert inputs.shape == targets.shape == (5, 16) and inputs.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    state = batches.state_dict()
+    expected = batches.next(5)
+    again = data.Batches(tokens, 16, seed=99)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.next(5), expected, strict=True))
+
+
+def test_evaluation_batches_span_the_split(corpus, tmp_path):
+    data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
+    tokens = data.load_tokens(tmp_path / "tokens", "val", 16)
+    found = data.evaluation_batches(tokens, 16, batch=4, count=3)
+    assert len(found) == 3 and all(x.shape == (4, 16) for x, _ in found)
+    assert torch.equal(found[0][0][0], tokens[:16].long())  # the first window starts at 0
+    assert torch.equal(found[-1][1][-1], tokens[-16:].long())  # the last target is the end
+
+
+# --- configuration and schedule ---------------------------------------------------------------
+
+
+def test_every_config_field_has_a_flag():
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    flags = {option for action in parser._actions for option in action.option_strings}
+    for cls in (ModelConfig, RunConfig):
+        for field in fields(cls):
+            assert "--" + field.name.replace("_", "-") in flags
+
+
+def test_flags_override_file_which_overrides_preset(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nwidth = 64\nn_heads = 4\n[run]\nsteps = 7\nlength = 32\n")
+    model, run = resolve("small", path, model={"n_layers": 2}, run={"steps": 9})
+    assert (model.width, model.n_heads, model.n_layers) == (64, 4, 2)
+    assert model.n_kv_heads == config.PRESETS["small"]["n_kv_heads"]
+    assert (run.steps, run.length, model.max_length) == (9, 32, 32)
+    json_path = tmp_path / "run.json"
+    json_path.write_text(json.dumps(config.to_dict(model, run)))
+    assert resolve(file=json_path) == (model, run)
+
+
+def test_parameter_count_is_the_models():
+    model_config = ModelConfig(**config.PRESETS["tiny"])
+    count = sum(p.numel() for p in OctLM(model_config).parameters())
+    assert config.parameter_count(model_config) == count
+
+
+@pytest.mark.parametrize(
+    "model, run, message",
+    [
+        ({}, {"steps": 0}, "steps must be a positive int, got 0"),
+        ({}, {"val_share": 1.0}, "val_share must be in"),
+        ({}, {"dtype": "float64"}, "dtype must be one of"),
+        ({"vocab_size": 100}, {}, "vocab_size >= 256"),
+        ({"max_length": 8}, {"length": 16}, "length (16) exceeds max_length (8)"),
+        ({"attention": "ring"}, {}, "--context-parallel"),
+        ({}, {"fsdp": True, "context_parallel": True}, "cannot be combined"),
+    ],
+)
+def test_bad_configuration_raises(model, run, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(model=model, run=run)
+
+
+def test_config_file_with_unknown_key_raises(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"model": {"widht": 8}}))
+    with pytest.raises(ValueError, match="unknown keys \\['widht'\\]"):
+        resolve(file=path)
+
+
+def test_weight_decay_applies_to_matrices_only():
+    model = OctLM(ModelConfig(**TINY_MODEL, max_length=8))
+    decayed, plain = make_optimizer(model, 1e-3, 0.1).param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decayed["params"]) and all(
+        p.dim() == 1 for p in plain["params"]
+    )
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_schedule_warms_up_linearly_then_decays_to_the_floor():
+    factors = [lr_factor(step, warmup=4, steps=20, min_ratio=0.1) for step in range(20)]
+    assert factors[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert factors[4] == 1.0 and factors[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in itertools.pairwise(factors[4:]))
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+def test_run_writes_records_picture_and_checkpoints(corpus, tmp_path):
+    model_config, run = configs(corpus, keep=2)
+    outcome = train(model_config, run, tmp_path / "run", progress=False)
+    folder = tmp_path / "run"
+    steps = read_metrics(folder, "train_step")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    for record in steps:
+        assert record["loss"] > 0 and record["lr"] > 0 and record["grad_norm"] > 0
+        assert record["tokens_per_second"] > 0 and record["peak_bytes"] > 0
+        assert record["memory_metric"] == "ru_maxrss" and record["experiment"] == "train"
+    evals = read_metrics(folder, "eval")
+    assert [r["step"] for r in evals] == [3, 6]
+    for record in evals:
+        assert record["val_bits_per_byte"] == pytest.approx(record["val_loss"] / math.log(2))
+        assert record["sample"].startswith(run.prompt)
+    assert outcome.val_loss == evals[-1]["val_loss"] and outcome.stopped_by is None
+    assert [p.name for p in checkpoint.listed(folder)] == [
+        "checkpoint-0000004.pt", "checkpoint-0000006.pt"
+    ]  # fmt: skip
+    assert (folder / PICTURE).stat().st_size > 0
+    assert resolve(file=folder / "config.json") == (model_config, run)
+
+
+def test_loss_falls(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=30, eval_every=30, checkpoint_every=30)
+    outcome = train(model_config, run, tmp_path / "run", progress=False)
+    curve = losses(tmp_path / "run")
+    assert curve[30] < curve[1] - 1.0
+    assert outcome.val_loss < math.log(256) - 1.0  # far below a uniform guess over bytes
+
+
+def test_resumed_run_repeats_the_uninterrupted_losses_exactly(corpus, tmp_path):
+    model_config, run = configs(corpus)
+    model_config = replace(model_config, dropout=0.1)  # dropout's RNG must resume too
+    train(model_config, run, tmp_path / "whole", progress=False)
+    train(model_config, run, tmp_path / "cut", progress=False)
+    cut = tmp_path / "cut"
+    for later in checkpoint.listed(cut)[2:]:  # as if stopped right after step 4
+        later.unlink()
+    outcome = train(model_config, run, cut, resume=True, progress=False)
+    assert outcome.step == 6
+    assert losses(cut) == losses(tmp_path / "whole")  # exact, float for float
+
+    def evaluations(folder):
+        return [(r["step"], r["val_loss"], r["sample"]) for r in read_metrics(folder, "eval")]
+
+    assert evaluations(cut) == evaluations(tmp_path / "whole")
+
+
+def test_accumulation_equals_the_whole_batch(corpus, tmp_path):
+    model_config, run = configs(corpus)
+    train(model_config, run, tmp_path / "whole", progress=False)
+    train(model_config, replace(run, accumulate=2), tmp_path / "halves", progress=False)
+    whole, halves = losses(tmp_path / "whole"), losses(tmp_path / "halves")
+    assert all(math.isclose(whole[s], halves[s], rel_tol=1e-5) for s in whole)
+
+
+def test_activation_checkpointing_keeps_the_losses(corpus, tmp_path):
+    model_config, run = configs(corpus)
+    train(model_config, run, tmp_path / "plain", progress=False)
+    train(model_config, replace(run, checkpoint_activations=True), tmp_path / "re", progress=False)
+    plain, recomputed = losses(tmp_path / "plain"), losses(tmp_path / "re")
+    assert all(math.isclose(plain[s], recomputed[s], rel_tol=1e-6) for s in plain)
+
+
+def test_bfloat16_autocast_trains_close_to_float32(corpus, tmp_path):
+    model_config, run = configs(corpus)
+    train(model_config, run, tmp_path / "fp32", progress=False)
+    train(model_config, replace(run, dtype="bfloat16"), tmp_path / "bf16", progress=False)
+    fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
+    assert all(abs(fp32[s] - bf16[s]) < 0.05 * fp32[s] for s in fp32)
+
+
+# --- bad input: a clear error, checkpoints left alone ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "does not exist"),
+        ("no-match", "no file matching glob"),
+        ("all-empty", "every matched file is empty"),
+        ("one-document", "the train split is empty"),
+        ("too-short", "too few for one sequence"),
+        ("float16-on-cpu", "float16 needs CUDA"),
+        ("batch-split", "multiple of data-parallel ranks x accumulate"),
+    ],
+)
+def test_bad_data_and_runs_raise(tmp_path, case, message):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    run = {"data": str(corpus)}
+    if case == "missing":
+        run["data"] = str(tmp_path / "nothing")
+    elif case == "no-match":
+        (corpus / "a.md").write_text("text")
+    elif case == "all-empty":
+        (corpus / "a.txt").write_text("")
+    elif case == "one-document":  # a folder of one document, held out by its hash
+        (corpus / "a.txt").write_text("x" * 100)
+        run["val_share"] = 0.999999
+    elif case == "too-short":
+        write_corpus(corpus, documents=12, size=3)
+    else:
+        write_corpus(corpus)
+        run |= {"dtype": "float16"} if case == "float16-on-cpu" else {"accumulate": 3}
+    model_config, run_config = configs(corpus, **run)
+    with pytest.raises(ValueError, match=message):
+        train(model_config, run_config, tmp_path / "run", progress=False)
+
+
+def test_existing_run_folder_is_refused_then_overwritten(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    before = file_hashes(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"--resume .* or --overwrite"):
+        train(model_config, run, tmp_path / "run", progress=False)
+    assert file_hashes(tmp_path / "run") == before
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="clears only run folders"):
+        train(model_config, run, tmp_path / "other", overwrite=True, progress=False)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+    train(model_config, replace(run, steps=1), tmp_path / "run", overwrite=True, progress=False)
+    assert [p.name for p in checkpoint.listed(tmp_path / "run")] == ["checkpoint-0000001.pt"]
+
+
+def test_resume_with_another_configuration_raises_and_keeps_checkpoints(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    before = file_hashes(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"model\.width: 16 in the run, 32 now"):
+        train(replace(model_config, width=32), run, tmp_path / "run", resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"run\.batch: 4 in the run, 8 now"):
+        train(model_config, replace(run, batch=8), tmp_path / "run", resume=True, progress=False)
+    assert file_hashes(tmp_path / "run") == before
+
+
+def test_checkpoint_of_another_model_raises(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match="written for another model: n_layers 1 \\(expected 2\\)"):
+        checkpoint.load(checkpoint.latest(tmp_path / "run"), replace(model_config, n_layers=2))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupted_checkpoint_raises_and_is_left_alone(corpus, tmp_path, damage):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    latest = checkpoint.latest(tmp_path / "run")
+    content = latest.read_bytes()
+    latest.write_bytes(content[: len(content) // 2] if damage == "truncated" else b"\x00" * 64)
+    before = file_hashes(tmp_path / "run")
+    with pytest.raises(ValueError, match="corrupted or not an octlm checkpoint"):
+        train(model_config, replace(run, steps=4), tmp_path / "run", resume=True, progress=False)
+    with pytest.raises(ValueError, match="corrupted"):
+        load_run(tmp_path / "run")
+    assert file_hashes(tmp_path / "run") == before
+
+
+# --- signals and the command line ------------------------------------------------------------
+
+
+def tiny_flags(corpus: Path, folder: Path, steps: int) -> list[str]:
+    return [
+        "train", "--data", str(corpus), "--out", str(folder), "--steps", str(steps),
+        "--width", "16", "--n-layers", "1", "--n-heads", "2", "--batch", "4", "--length", "16",
+        "--eval-every", "100000", "--checkpoint-every", "100000", "--log-every", "1",
+        "--eval-batches", "1", "--sample-tokens", "4",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
+def test_signal_writes_a_checkpoint_and_exits_cleanly(corpus, tmp_path, capsys, signal_number):
+    folder = tmp_path / "run"
+
+    def interrupt_once_training():
+        deadline = time.monotonic() + 60
+        while not (folder / METRICS).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal_number)
+
+    sender = threading.Thread(target=interrupt_once_training)
+    sender.start()
+    status = main(tiny_flags(corpus, folder, steps=1_000_000))
+    sender.join()
+    assert status == 0
+    assert f"stopped by {signal_number.name}" in capsys.readouterr().out
+    _model, step = load_run(folder)
+    assert 1 <= step < 1_000_000
+    assert max(losses(folder)) == step
+
+
+def test_command_line_trains_refuses_resumes_and_samples(corpus, tmp_path, capsys):
+    folder = tmp_path / "run"
+    assert main(tiny_flags(corpus, folder, steps=2)) == 0
+    assert main(tiny_flags(corpus, folder, steps=2)) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["train", "--out", str(folder), "--resume", "--width", "32"]) == 2
+    assert "model.width: 16 in the run, 32 now" in capsys.readouterr().err
+    assert main(["train", "--out", str(folder), "--resume", "--steps", "3"]) == 0
+    assert sorted(losses(folder)) == [1, 2, 3]
+    capsys.readouterr()
+    assert main(["sample", str(folder), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def ") and "step 3" in err
+
+
+def test_sample_is_the_models_own_decoding(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    model, step = load_run(tmp_path / "run")
+    assert step == 2
+    state = torch.load(checkpoint.latest(tmp_path / "run"), weights_only=True)["model"]
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
+    prompt = torch.tensor([list(b"def ")])  # (1, 4)
+    expected = model.eval().generate(prompt, 6)[0].tolist()  # greedy
+    assert generate_text(model, "def ", 6) == bytes(expected).decode("utf-8", errors="replace")
+    drawn = [generate_text(model, "def ", 6, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    assert drawn[0] == drawn[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_mixed_precision_trains_and_records_allocator_peak(corpus, tmp_path, dtype):
+    model_config, run = configs(corpus, device="cuda", dtype=dtype, steps=12, eval_every=12)
+    outcome = train(model_config, run, tmp_path / "run", progress=False)
+    curve = losses(tmp_path / "run")
+    assert curve[12] < curve[1] and math.isfinite(outcome.val_loss)
+    assert read_metrics(tmp_path / "run", "train_step")[-1]["memory_metric"] == "cuda_max_allocated"
+    model, _step = load_run(tmp_path / "run", "cuda")
+    assert next(model.parameters()).is_cuda

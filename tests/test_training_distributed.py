@@ -1,0 +1,100 @@
+"""octlm train on 2 gloo processes equals one process: DDP, FSDP2 and context parallelism.
+
+One spawn of two ranks runs every mode in turn on the same tiny run (the spawn costs seconds,
+each run well under one); the test process runs the single-process references and compares
+the loss curves of ``metrics.jsonl``. Every mode's checkpoint must then load in one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from octlm.training import load_run, resolve, train
+from tests.test_training import TINY_MODEL, TINY_RUN, losses, write_corpus
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+SPAWN_TIMEOUT = 240.0
+# mode: (run options on 2 ranks, model options of the 1-process reference)
+MODES = {
+    "ddp": ({}, {}),
+    "ddp-accumulate": ({"accumulate": 2}, {}),
+    "fsdp": ({"fsdp": True}, {}),
+    "context": ({"context_parallel": True}, {"attention": "tiled"}),
+}
+RELATIVE = 1e-5  # float32 rounding over a few steps: summation order differs between ranks
+
+
+def _run_options(corpus: Path, mode_options: dict) -> dict:
+    return {**TINY_RUN, "data": str(corpus), "steps": 4, "eval_every": 4, **mode_options}
+
+
+def _worker(rank: int, corpus: str, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    failures = {}
+    for mode, (options, _reference) in MODES.items():
+        try:
+            model_config, run = resolve(model=TINY_MODEL, run=_run_options(Path(corpus), options))
+            train(model_config, run, Path(folder, mode), progress=False)
+        except Exception as error:  # reported by the test, with the mode that failed
+            failures[mode] = f"{type(error).__name__}: {error}"
+    dist.destroy_process_group()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(failures))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """A folder with one run folder per mode, trained by 2 gloo ranks."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    corpus = write_corpus(folder / "corpus")
+    context = mp.start_processes(
+        _worker, args=(str(corpus), str(folder)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.terminate()
+            pytest.fail(f"training workers did not finish in {SPAWN_TIMEOUT} s")
+    for rank in range(WORLD):
+        failures = json.loads((folder / f"rank{rank}.json").read_text())
+        assert not failures, f"rank {rank}: {failures}"
+    return folder
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_give_the_single_process_loss_curve(runs, tmp_path, mode):
+    options, reference_model = MODES[mode]
+    single_options = {k: v for k, v in options.items() if k not in ("fsdp", "context_parallel")}
+    model_config, run = resolve(
+        model={**TINY_MODEL, **reference_model}, run=_run_options(runs / "corpus", single_options)
+    )
+    train(model_config, run, tmp_path / "single", progress=False)
+    single, ranks = losses(tmp_path / "single"), losses(runs / mode)
+    assert sorted(ranks) == sorted(single) == [1, 2, 3, 4]
+    differences = {s: abs(ranks[s] - single[s]) / single[s] for s in single}
+    assert all(d <= RELATIVE for d in differences.values()), differences
+    assert not math.isclose(single[1], single[4], rel_tol=1e-3)  # the curve moved
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_of_every_mode_loads_in_one_process(runs, mode):
+    model, step = load_run(runs / mode)
+    assert step == 4
+    assert model.config.attention != "ring"  # ring attention's one-process twin
+    logits = model(torch.zeros(1, 8, dtype=torch.int64))  # (1, 8, V)
+    assert torch.isfinite(logits).all()
