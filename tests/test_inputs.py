@@ -81,6 +81,35 @@ CASES = [
         "integer tensor",
     ),
     ("dropout", lambda *t: t, {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
+    (
+        "key_starts range",
+        lambda *t: t,
+        {"key_starts": torch.tensor([-1, 2])},
+        ValueError,
+        r"key_starts must lie in \[0, k_len=8\]",
+    ),
+    ("key_starts dtype", lambda *t: t, {"key_starts": torch.zeros(2)}, TypeError, "key_starts"),
+    (
+        "document_ids shape",
+        lambda *t: t,
+        {"document_ids": torch.zeros(2, 7, dtype=torch.long)},
+        ValueError,
+        r"document_ids must have shape \(batch, k_len\) = \(2, 8\), got \(2, 7\)",
+    ),
+    (
+        "document_ids dtype",
+        lambda *t: t,
+        {"document_ids": torch.zeros(2, 8, dtype=torch.bool)},
+        TypeError,
+        "document_ids must be an integer tensor, got torch.bool",
+    ),
+    (
+        "document_ids q_len > k_len",
+        lambda q, k, v: (q, k[:, :, :6], v[:, :, :6]),
+        {"document_ids": torch.zeros(2, 6, dtype=torch.long), "causal": False},
+        ValueError,
+        "document_ids needs q_len <= k_len",
+    ),
 ]
 
 

@@ -3,9 +3,9 @@
 Queries and keys are cut into blocks. For each query block a per-row shift, the running sum
 and the unnormalised output are carried across key blocks (:class:`OnlineSoftmax`), and the
 output is normalised once at the end. :class:`BlockWalk` says which key blocks a query block
-visits (blocks that the causal/window rules or padding hide entirely are never touched) and
-computes one score tile with the hidden places at ``-inf``; blocks the rules show whole get no
-mask arithmetic at all. No ``q_len x k_len`` tensor is ever made.
+visits (blocks that the causal/window rules, padding or packed documents hide entirely are never
+touched) and computes one score tile with the hidden places at ``-inf``; blocks the rules show
+whole get no mask arithmetic at all. No ``q_len x k_len`` tensor is ever made.
 
 :func:`attend_forward` and :func:`attend_backward` are the steps as functions, over one chunk
 of queries against one chunk of keys; :func:`merge` combines partial results over disjoint key
@@ -108,6 +108,10 @@ class BlockWalk:
     Works on inputs in the folded layout: ``query (B, Hkv, Q, G, D [+ 1])`` and ``keys (B, Hkv,
     K, D [+ 1])`` may carry one extra column each (see :func:`_fold`); ``mask`` is as
     :func:`_fold_mask` returns. ``past`` places query row ``i`` at key position ``past + i``.
+    Keys outside ``[key_starts[b], key_lengths[b])`` are padding. With ``documents = (query
+    documents (B, Q), key documents (B, K))`` a row sees only keys of its own document: a block
+    pair whose document ranges do not meet is skipped, and one that lies inside a single
+    document (in every batch element) needs no document mask.
     Score tiles are written into one reused buffer: a fresh multi-MiB tensor per block costs
     page faults comparable to the matmul itself.
 
@@ -117,16 +121,22 @@ class BlockWalk:
 
     def __init__(
         self, query, keys, past, causal, window, mask, block, units, key_lengths=None,
-        careful=False,
+        careful=False, key_starts=None, documents=None,
     ):  # fmt: skip
         self.batch, self.kv_heads, self.q_len, self.group, _ = query.shape
         self.k_len = keys.shape[2]
-        # Padding: keys past the longest length are skipped, keys before the shortest are
-        # whole; only blocks in between need the per-batch mask.
-        self.key_lengths = key_lengths
+        # Padding: keys past the longest length or before the earliest start are skipped,
+        # keys between the latest start and the shortest length are whole; only blocks in
+        # between need the per-batch mask.
+        self.key_lengths, self.key_starts = key_lengths, key_starts
         self.longest, self.shortest = self.k_len, self.k_len
         if key_lengths is not None:
             self.longest, self.shortest = int(key_lengths.max()), int(key_lengths.min())
+        self.earliest, self.latest = 0, 0
+        if key_starts is not None:
+            self.earliest, self.latest = int(key_starts.min()), int(key_starts.max())
+        self.documents = documents
+        self._mixed: set[tuple[int, int]] = set()  # block pairs that need the document mask
         self.past, self.causal, self.window, self.mask = past, causal, window, mask
         self.units, self.careful = units, careful
         self.block_q, self.block_k = block
@@ -143,9 +153,33 @@ class BlockWalk:
             yield range(start, min(start + self.block_q, self.q_len))
 
     def key_blocks(self, rows: range):
-        keys = key_range(rows, self.longest, self.past, self.causal, self.window)
-        for start in range(keys.start, keys.stop, self.block_k):
-            yield range(start, min(start + self.block_k, keys.stop))
+        keys = key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
+        starts = range(keys.start, keys.stop, self.block_k)
+        shared = self._shared_documents(rows, keys) if self.documents is not None else None
+        for index, start in enumerate(starts):
+            if shared is None or shared[index]:
+                yield range(start, min(start + self.block_k, keys.stop))
+
+    def _shared_documents(self, rows: range, keys: range) -> list[bool]:
+        """For each key block of ``keys``, whether some row of ``rows`` shares a document with
+        it in some batch element. Decided from each side's smallest and largest document id,
+        so it costs O(B * (R + K)), never a rows x keys tensor. Block pairs that share one but
+        are not a single document on both sides are recorded for the element-wise mask."""
+        if not len(keys):
+            return []
+        query_documents, key_documents = self.documents
+        part = query_documents[:, rows.start : rows.stop]  # (B, R)
+        q_low, q_high = part.amin(dim=1, keepdim=True), part.amax(dim=1, keepdim=True)  # (B, 1)
+        count = -(-len(keys) // self.block_k)
+        part = key_documents[:, keys.start : keys.stop]  # (B, K')
+        filler = part[:, -1:].expand(-1, count * self.block_k - len(keys))  # repeats an id
+        part = torch.cat([part, filler], dim=1).view(self.batch, count, self.block_k)
+        k_low, k_high = part.amin(dim=2), part.amax(dim=2)  # (B, n)
+        meet = ((k_low <= q_high) & (k_high >= q_low)).any(dim=0)  # (n,)
+        single = ((k_low == q_high) & (k_high == q_low)).all(dim=0)  # all four ids equal
+        for index in (meet & ~single).nonzero().flatten().tolist():
+            self._mixed.add((rows.start, keys.start + index * self.block_k))
+        return meet.tolist()
 
     def rows(self, tensor: Tensor, rows: range) -> Tensor:
         """One query block of a folded (B, Hkv, Q, G, C) tensor as (B, Hkv, R * G, C)."""
@@ -200,8 +234,9 @@ class BlockWalk:
             tile = self.tile("scores", *size)
             scores = torch.bmm(q_block, k_block.transpose(1, 2), out=tile)  # (B*Hkv, R*G, C)
         whole = fully_visible(rows, columns, self.past, self.causal, self.window)
-        padded = columns.stop > self.shortest
-        if whole and not padded and self.mask is None:
+        padded = columns.stop > self.shortest or columns.start < self.latest
+        mixed = (rows.start, columns.start) in self._mixed
+        if whole and not padded and not mixed and self.mask is None:
             return scores
         tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
         if self.mask is not None:
@@ -224,8 +259,13 @@ class BlockWalk:
             else:
                 tile.add_(self._edge(rows, columns).unsqueeze(1))  # (R, 1, C) over the group
         if padded:
-            present = padding_mask(self.key_lengths, columns)  # (B, 1, 1, C)
+            present = padding_mask(self.key_lengths, columns, self.key_starts)  # (B, 1, 1, C)
             tile.masked_fill_(~present.unsqueeze(1), NEG_INF)  # (B, 1, 1, 1, C)
+        if mixed:
+            query_documents, key_documents = self.documents
+            row_ids = query_documents[:, rows.start : rows.stop, None]  # (B, R, 1)
+            same = row_ids == key_documents[:, None, columns.start : columns.stop]  # (B, R, C)
+            tile.masked_fill_(~same[:, None, :, None, :], NEG_INF)  # (B, 1, R, 1, C)
         return scores
 
 
@@ -350,6 +390,8 @@ def forward_rows(
     scale: float,
     block: tuple[int, int],
     key_lengths: Tensor | None,
+    key_starts: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, RowStats]:
     """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`."""
     dtype = accumulation_dtype(query.dtype)
@@ -378,7 +420,7 @@ def forward_rows(
         broken = _as_3d(broken.to(dtype))
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
-        key_lengths, careful,
+        key_lengths, careful, key_starts, documents,
     )  # fmt: skip
     out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
     shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
@@ -426,12 +468,16 @@ def attend_forward(
     scale: float,
     block: tuple[int, int] = DEFAULT_BLOCK,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``query`` over one chunk of keys: the forward block steps as a function.
 
     ``query (B, H, Q, D)``, ``key``/``value (B, Hkv, K, D)``; query row ``i`` sits at key
-    position ``past + i`` of this chunk. Inputs are not validated here (the public functions do
-    that). Returns ``out (B, H, Q, D)`` normalised, and ``lse (B, H, Q)``, both in the
+    position ``past + i`` of this chunk; keys outside ``[key_starts[b], key_lengths[b])`` are
+    padding, and ``documents = (query ids (B, Q), key ids (B, K))`` restricts each row to keys
+    of its own document. Inputs are not validated here (the public functions do that).
+    Returns ``out (B, H, Q, D)`` normalised, and ``lse (B, H, Q)``, both in the
     accumulation dtype; rows that see no key get ``out = 0`` and ``lse = -inf``. Two such
     partial results over disjoint key chunks combine exactly with :func:`merge`.
 
@@ -442,7 +488,7 @@ def attend_forward(
     """
     out, rows = forward_rows(
         query, key, value, past=past, causal=causal, window=window, mask=mask, scale=scale,
-        block=block, key_lengths=key_lengths,
+        block=block, key_lengths=key_lengths, key_starts=key_starts, documents=documents,
     )  # fmt: skip
     return out, rows.lse()
 
@@ -463,6 +509,8 @@ def attend_backward(
     block: tuple[int, int] = DEFAULT_BLOCK,
     key_lengths: Tensor | None = None,
     grad_mask: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one query chunk against one key chunk: the backward block steps.
 
@@ -501,7 +549,7 @@ def attend_backward(
     careful = not _all_finite(query, key, value, mask)
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
-        key_lengths, careful,
+        key_lengths, careful, key_starts, documents,
     )  # fmt: skip
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)

@@ -28,6 +28,8 @@ def naive_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Attention by the definition. Shapes and rules as :func:`octlm.attention.tiled_attention`.
 
@@ -35,12 +37,16 @@ def naive_attention(
     """
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p, key_lengths=key_lengths,
+        dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
+        document_ids=document_ids,
     )  # fmt: skip
     key = key.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
     value = value.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
     scores = query @ key.transpose(-2, -1) * shape.scale  # (B, H, Q, K)
-    hidden = dense_mask(shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths)
+    hidden = dense_mask(
+        shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths, key_starts,
+        document_ids,
+    )  # fmt: skip
     if hidden is not None and hidden.dtype == torch.bool:
         scores = scores.masked_fill(~hidden, float("-inf"))
     elif hidden is not None:

@@ -25,23 +25,31 @@ def sdpa_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``."""
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p, key_lengths=key_lengths,
+        dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
+        document_ids=document_ids,
     )  # fmt: skip
-    plain = mask is None and key_lengths is None and window == 0 and (not causal or shape.past == 0)
+    padded = key_lengths is not None or key_starts is not None
+    structured = mask is not None or padded or document_ids is not None or window > 0
+    plain = not structured and (not causal or shape.past == 0)
     attn_mask = None
-    if key_lengths is not None:
+    if padded:
         # No row sees a padded key, so its contents must not matter; SDPA's kernels multiply
         # zero weights by it, and 0 x NaN is NaN. Zero the padding instead.
-        present = padding_mask(key_lengths, range(shape.k_len)).transpose(-2, -1)  # (B,1,K,1)
+        present = padding_mask(key_lengths, range(shape.k_len), key_starts)  # (B, 1, 1, K)
+        present = present.transpose(-2, -1)  # (B, 1, K, 1)
         key, value = key.masked_fill(~present, 0.0), value.masked_fill(~present, 0.0)
     if not plain:
-        attn_mask = as_4d(
-            dense_mask(shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths)
-        )  # SDPA wants at least 2-D
+        dense = dense_mask(
+            shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths,
+            key_starts, document_ids,
+        )  # fmt: skip
+        attn_mask = as_4d(dense)  # SDPA wants at least 2-D
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(query.dtype)  # SDPA wants the query's dtype
     return F.scaled_dot_product_attention(

@@ -4,8 +4,8 @@ FlashAttention's blocking in plain PyTorch, the Day 2 note's sketch grown up: ex
 with O(T) memory on any device PyTorch runs on, differentiable through its own recomputing
 backward (FlashAttention-2). The forward saves only query, key, value, output and two numbers
 per query row (the shift and the sum of the online softmax, from which the log-sum-exp
-follows), plus the caller's own mask or key lengths; the backward recomputes each block's
-probabilities from them. For CUDA tensors ``kernel="auto"`` takes the Triton kernel instead.
+follows), plus the caller's own mask, key bounds or document ids; the backward recomputes each
+block's probabilities from them. For CUDA tensors ``kernel="auto"`` takes the Triton kernel instead.
 """
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ class _TiledAttention(torch.autograd.Function):
     """Autograd through the block steps; saves query, key, value, output and lse only."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, key_lengths, options):
-        out, rows = forward_rows(query, key, value, mask=mask, key_lengths=key_lengths, **options)
+    def forward(ctx, query, key, value, mask, key_lengths, key_starts, document_ids, options):
+        structure = dict(key_lengths=key_lengths, key_starts=key_starts)
+        structure["documents"] = _documents(document_ids, options["past"])
+        out, rows = forward_rows(query, key, value, mask=mask, **structure, **options)
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, mask, key_lengths)
+        ctx.save_for_backward(
+            query, key, value, out, rows.shift, rows.total, mask, key_lengths, key_starts,
+            document_ids,
+        )  # fmt: skip
         ctx.options, ctx.units = options, rows.units
         lse = rows.lse()
         ctx.mark_non_differentiable(lse)
@@ -39,7 +44,9 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        query, key, value, out, shift, total, mask, key_lengths = ctx.saved_tensors
+        (
+            query, key, value, out, shift, total, mask, key_lengths, key_starts, document_ids,
+        ) = ctx.saved_tensors  # fmt: skip
         delta = (grad_out.to(shift.dtype) * out.to(shift.dtype)).sum(dim=-1)  # (B, H, Q)
         grad_mask = None
         if mask is not None and ctx.needs_input_grad[3]:
@@ -49,6 +56,7 @@ class _TiledAttention(torch.autograd.Function):
         rows = RowStats(shift, total, ctx.units)
         grad_query, grad_key, grad_value = attend_backward(
             query, key, value, grad_out, rows, delta, mask=mask, key_lengths=key_lengths,
+            key_starts=key_starts, documents=_documents(document_ids, ctx.options["past"]),
             grad_mask=grad_mask, **ctx.options,
         )  # fmt: skip
         if grad_mask is not None:
@@ -61,7 +69,14 @@ class _TiledAttention(torch.autograd.Function):
             grad_mask,
             None,
             None,
+            None,
+            None,
         )
+
+
+def _documents(document_ids: Tensor | None, past: int) -> tuple[Tensor, Tensor] | None:
+    """Query and key document ids: row ``i`` is in the document of key ``past + i``."""
+    return None if document_ids is None else (document_ids[:, past:], document_ids)
 
 
 def tiled_attention(
@@ -75,6 +90,8 @@ def tiled_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     return_lse: bool = False,
     kernel: str = "auto",
@@ -96,12 +113,20 @@ def tiled_attention(
         dropout_p: must be 0; the tiled path has no attention dropout (use naive or sdpa).
         key_lengths: int ``(batch,)``: keys at and after ``key_lengths[b]`` are padding.
             Blocks past the longest length are skipped whole.
+        key_starts: int ``(batch,)``: keys before ``key_starts[b]`` are padding (left
+            padding). Blocks before the earliest start are skipped whole.
+        document_ids: int ``(batch, k_len)``, the document of each key (packed sequences).
+            Query row ``i`` is in the document of key ``k_len - q_len + i`` (so ``q_len <=
+            k_len``) and sees only keys of its own document. Block pairs that share no
+            document are skipped; blocks inside one document get no document mask. Ids need
+            not be sorted, but runs of equal ids are what makes blocks skippable.
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
-            picks its own tiles) for CUDA tensors when Triton is installed, no ``mask`` or
+            picks its own tiles) for CUDA tensors when Triton is installed, no ``mask``,
             ``key_lengths`` is given, the dtype is not float64 and ``head_size <= 256``; the
-            plain-PyTorch blocks otherwise. ``"pytorch"`` or ``"triton"`` force one.
+            plain-PyTorch blocks otherwise (always for :data:`PYTORCH_ONLY` arguments).
+            ``"pytorch"`` or ``"triton"`` force one.
 
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
@@ -109,7 +134,15 @@ def tiled_attention(
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     block = parse_block(block)  # checked on every path, used by the PyTorch one
-    if kernel == "triton" or (kernel == "auto" and _triton_fits(query, mask, key_lengths)):
+    given = dict(key_starts=key_starts, document_ids=document_ids)
+    pytorch_only = [name for name in PYTORCH_ONLY if given[name] is not None]
+    if kernel == "triton" and pytorch_only:
+        raise ValueError(
+            f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
+        )
+    if kernel == "triton" or (
+        kernel == "auto" and not pytorch_only and _triton_fits(query, mask, key_lengths)
+    ):
         from octlm.attention.triton_flash import triton_attention
 
         return triton_attention(
@@ -119,13 +152,18 @@ def tiled_attention(
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, dropout_supported=False, key_lengths=key_lengths,
+        key_starts=key_starts, document_ids=document_ids,
     )  # fmt: skip
     options = dict(past=shape.past, causal=causal, window=window, scale=shape.scale, block=block)
-    out, lse = _TiledAttention.apply(query, key, value, mask, key_lengths, options)
+    out, lse = _TiledAttention.apply(
+        query, key, value, mask, key_lengths, key_starts, document_ids, options
+    )
     return (out, lse) if return_lse else out
 
 
 KERNELS = ("auto", "pytorch", "triton")
+# Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
+PYTORCH_ONLY = ("key_starts", "document_ids")
 
 
 def _triton_fits(query: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> bool:
