@@ -110,6 +110,24 @@ CASES = [
         ValueError,
         "document_ids needs q_len <= k_len",
     ),
+    ("softcap", lambda *t: t, {"softcap": 0.0}, ValueError, "softcap must be a positive"),
+    ("softcap inf", lambda *t: t, {"softcap": float("inf")}, ValueError, "softcap must be"),
+    (
+        "alibi shape",
+        lambda *t: t,
+        {"alibi_slopes": torch.ones(2)},
+        ValueError,
+        r"alibi_slopes must have shape \(heads,\) or \(batch, heads\) = \(4,\) or \(2, 4\)",
+    ),
+    (
+        "alibi dtype",
+        lambda *t: t,
+        {"alibi_slopes": torch.ones(4, dtype=torch.long)},
+        TypeError,
+        "alibi_slopes must be a floating-point tensor",
+    ),
+    ("sinks shape", lambda *t: t, {"sinks": torch.ones(2, 4)}, ValueError, r"sinks must have"),
+    ("sinks type", lambda *t: t, {"sinks": [0.0] * 4}, TypeError, "sinks must be a torch.Tensor"),
 ]
 
 

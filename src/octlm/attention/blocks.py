@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from octlm.attention.masks import allowed, as_4d, fully_visible, key_range, padding_mask
+from octlm.attention.masks import (
+    allowed,
+    as_4d,
+    distance,
+    fully_visible,
+    key_range,
+    padding_mask,
+)
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -112,6 +119,12 @@ class BlockWalk:
     documents (B, Q), key documents (B, K))`` a row sees only keys of its own document: a block
     pair whose document ranges do not meet is skipped, and one that lies inside a single
     document (in every batch element) needs no document mask.
+
+    Score modifiers act on each tile, in this order, before any mask and before the shift is
+    subtracted (docs/design.md §7): ``softcap`` (natural units) replaces the scores ``s`` by
+    ``softcap * tanh(s / softcap)``, and ``alibi`` (folded slopes ``(B|1, Hkv, 1, G, 1)``)
+    adds ``-slope * distance``. With ``keep_tanh`` the tile's ``tanh`` is kept in
+    ``self.tanh`` for the backward.
     Score tiles are written into one reused buffer: a fresh multi-MiB tensor per block costs
     page faults comparable to the matmul itself.
 
@@ -121,7 +134,8 @@ class BlockWalk:
 
     def __init__(
         self, query, keys, past, causal, window, mask, block, units, key_lengths=None,
-        careful=False, key_starts=None, documents=None,
+        careful=False, key_starts=None, documents=None, softcap=None, alibi=None,
+        keep_tanh=False,
     ):  # fmt: skip
         self.batch, self.kv_heads, self.q_len, self.group, _ = query.shape
         self.k_len = keys.shape[2]
@@ -137,6 +151,9 @@ class BlockWalk:
             self.earliest, self.latest = int(key_starts.min()), int(key_starts.max())
         self.documents = documents
         self._mixed: set[tuple[int, int]] = set()  # block pairs that need the document mask
+        self.cap = None if softcap is None else softcap * units.unit  # in the walk's units
+        self.alibi = None if alibi is None else alibi.to(keys.dtype) * -units.unit  # in units
+        self.keep_tanh, self.tanh = keep_tanh, None
         self.past, self.causal, self.window, self.mask = past, causal, window, mask
         self.units, self.careful = units, careful
         self.block_q, self.block_k = block
@@ -147,6 +164,7 @@ class BlockWalk:
         self.keys = keys
         self._buffers: dict[str, Tensor] = {}
         self._edges: dict[tuple[int, int, int], Tensor] = {}
+        self._distances: dict[tuple[int, int, int], Tensor] = {}
 
     def query_blocks(self):
         for start in range(0, self.q_len, self.block_q):
@@ -216,6 +234,17 @@ class BlockWalk:
             self._edges[key] = bias.masked_fill_(~visible, NEG_INF)
         return self._edges[key]
 
+    def distance(self, rows: range, columns: range) -> Tensor:
+        """``|past + i - j|`` of one block, ``(R, C)``; cached like the edges, since it depends
+        only on the block's offset from the diagonal."""
+        offset = self.past + rows.start - columns.start
+        key = (len(rows), len(columns), offset)
+        if key not in self._distances:
+            self._distances[key] = distance(
+                range(len(rows)), range(len(columns)), offset, self.keys.dtype, self.keys.device
+            )  # fmt: skip
+        return self._distances[key]
+
     def scores(
         self, q_block: Tensor, rows: range, columns: range, transposed: bool = False
     ) -> Tensor:
@@ -233,12 +262,19 @@ class BlockWalk:
         else:
             tile = self.tile("scores", *size)
             scores = torch.bmm(q_block, k_block.transpose(1, 2), out=tile)  # (B*Hkv, R*G, C)
+        if self.cap is not None:  # bounded scores: the shift logic of §7 holds as it is
+            scores.div_(self.cap).tanh_()
+            if self.keep_tanh:
+                self.tanh = self.tile("tanh", *scores.shape).copy_(scores)
+            scores.mul_(self.cap)
         whole = fully_visible(rows, columns, self.past, self.causal, self.window)
         padded = columns.stop > self.shortest or columns.start < self.latest
         mixed = (rows.start, columns.start) in self._mixed
-        if whole and not padded and not mixed and self.mask is None:
+        if whole and not padded and not mixed and self.mask is None and self.alibi is None:
             return scores
         tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
+        if self.alibi is not None:  # a float bias, added before the shift is subtracted
+            tile.addcmul_(self.alibi, self.distance(rows, columns).unsqueeze(1))
         if self.mask is not None:
             part = self.mask[
                 :,
@@ -372,6 +408,17 @@ class OnlineSoftmax:
             self.q_block[..., -1:] = -shift.view(*self.q_block.shape[:-1], 1)
         return scores.sub_(shift)
 
+    def absorb(self, logits: Tensor) -> None:
+        """One more score per row, ``(B*Hkv, R, 1)`` in units, that joins the sum and carries
+        no value: an attention sink. The shift moves up to it where it is larger (rows that
+        saw no key take it), rescaling what was summed by ``exp(old - new) <= 1``."""
+        empty = self.running_sum == 0
+        shift = torch.where(empty, logits, torch.maximum(self.shift, logits))
+        correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
+        self.running_sum.mul_(correction).add_(self.walk.units.exp_(logits - shift))
+        self.acc.mul_(correction)
+        self.shift = shift
+
     def output(self) -> Tensor:
         """Normalised output ``(B*Hkv, R, D)``; rows that saw no key are 0."""
         seen = self.running_sum > 0
@@ -392,6 +439,9 @@ def forward_rows(
     key_lengths: Tensor | None,
     key_starts: Tensor | None = None,
     documents: tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, RowStats]:
     """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`."""
     dtype = accumulation_dtype(query.dtype)
@@ -405,8 +455,10 @@ def forward_rows(
     rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
     # The fused shift costs a copy of the keys with a column of ones: worth it when each key
     # block meets many query rows, not when decoding one token against a long cache. A float
-    # mask must be added before the shift is subtracted, so it is never fused.
-    fused = rows_per_block >= FUSED_SHIFT_ROWS and not float_mask
+    # mask must be added before the shift is subtracted, so it is never fused; nor are the
+    # score modifiers, which act on the scores themselves.
+    modified = softcap is not None or alibi_slopes is not None
+    fused = rows_per_block >= FUSED_SHIFT_ROWS and not float_mask and not modified
     extra = 0.0 if fused else None
     folded = _fold(query, kv_heads, scale * units.unit, dtype, extra)  # (B, Hkv, Q, G, D [+ 1])
     keys = _fold(key, kv_heads, 1.0, dtype, 1.0 if fused else None).squeeze(3)  # (B, Hkv, K, ·)
@@ -420,8 +472,10 @@ def forward_rows(
         broken = _as_3d(broken.to(dtype))
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
-        key_lengths, careful, key_starts, documents,
+        key_lengths, careful, key_starts, documents, softcap, _fold_slopes(alibi_slopes, kv_heads),
     )  # fmt: skip
+    if sinks is not None:
+        sinks = (sinks.to(dtype) * units.unit).view(1, kv_heads, 1, -1)  # (1, Hkv, 1, G)
     out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
     shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
     total = torch.empty_like(shift)  # (B, Hkv, Q, G)
@@ -446,6 +500,9 @@ def forward_rows(
                 poison = seen_broken if poison is None else poison | seen_broken
             if state.unset:
                 state.unset = bool((state.running_sum == 0).any())
+        if sinks is not None:
+            shape = (walk.batch, kv_heads, len(rows), walk.group)
+            state.absorb(sinks.expand(shape).reshape(walk.batch * kv_heads, -1, 1))
         result = state.output()  # (B*Hkv, R, D)
         if poison is not None:
             result.masked_fill_(poison, float("nan"))
@@ -470,13 +527,17 @@ def attend_forward(
     key_lengths: Tensor | None = None,
     key_starts: Tensor | None = None,
     documents: tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``query`` over one chunk of keys: the forward block steps as a function.
 
     ``query (B, H, Q, D)``, ``key``/``value (B, Hkv, K, D)``; query row ``i`` sits at key
     position ``past + i`` of this chunk; keys outside ``[key_starts[b], key_lengths[b])`` are
     padding, and ``documents = (query ids (B, Q), key ids (B, K))`` restricts each row to keys
-    of its own document. Inputs are not validated here (the public functions do that).
+    of its own document. ``softcap``, ``alibi_slopes`` and ``sinks`` are the score modifiers of
+    ``tiled_attention``. Inputs are not validated here (the public functions do that).
     Returns ``out (B, H, Q, D)`` normalised, and ``lse (B, H, Q)``, both in the
     accumulation dtype; rows that see no key get ``out = 0`` and ``lse = -inf``. Two such
     partial results over disjoint key chunks combine exactly with :func:`merge`.
@@ -489,6 +550,7 @@ def attend_forward(
     out, rows = forward_rows(
         query, key, value, past=past, causal=causal, window=window, mask=mask, scale=scale,
         block=block, key_lengths=key_lengths, key_starts=key_starts, documents=documents,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
     )  # fmt: skip
     return out, rows.lse()
 
@@ -511,6 +573,9 @@ def attend_backward(
     grad_mask: Tensor | None = None,
     key_starts: Tensor | None = None,
     documents: tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    grad_alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one query chunk against one key chunk: the backward block steps.
 
@@ -519,7 +584,10 @@ def attend_backward(
     calls or processes), so each chunk's probabilities ``exp(score - shift) / total`` are
     exact. Returns ``dq (B, H, Q, D)`` and ``dk``/``dv (B, Hkv, K, D)`` in the accumulation
     dtype, summed over each GQA group. When ``grad_mask`` (folded like the mask, full size) is
-    given, the scores' gradient is written into it.
+    given, the scores' gradient is written into it; when ``grad_alibi`` (``(B, Hkv, G)``,
+    whatever the slopes' shape) is, the gradient of the ALiBi slopes is added to it. Sinks
+    change nothing here (they live in the row statistics); their gradient is
+    :func:`sink_gradient`.
     """
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
@@ -532,7 +600,8 @@ def attend_backward(
         lse = RowStats((lse.to(dtype) * units.unit).masked_fill(~seen, 0.0), seen.to(dtype), units)
     units = lse.units
     float_mask = mask is not None and mask.is_floating_point()
-    fused = not float_mask and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
+    modified = softcap is not None or alibi_slopes is not None
+    fused = not float_mask and not modified and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
     folded = _fold(query, kv_heads, scale * units.unit, dtype, 0.0 if fused else None)
     shift = _fold_rows(lse.shift, kv_heads, dtype)  # (B, Hkv, Q, G, 1), in units
     if fused:  # the extra column holds -shift, so the matmul yields scores - shift
@@ -549,7 +618,8 @@ def attend_backward(
     careful = not _all_finite(query, key, value, mask)
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
-        key_lengths, careful, key_starts, documents,
+        key_lengths, careful, key_starts, documents, softcap, _fold_slopes(alibi_slopes, kv_heads),
+        keep_tanh=True,
     )  # fmt: skip
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
@@ -579,12 +649,17 @@ def attend_backward(
                 out=walk.tile("grad_t", *probs_t.shape),
             )  # (B*Hkv, C, R), d loss / d probsᵀ  # fmt: skip
             grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
-            grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
-            dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
             if grad_mask is not None:
                 grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
                     grad_scores_t, rows, columns, transposed=True
                 )
+            if grad_alibi is not None:  # the bias is -slope * distance
+                tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
+                grad_alibi -= torch.einsum("bkrgc,rc->bkg", tile, walk.distance(rows, columns))
+            if softcap is not None:  # through the cap: d tanh = 1 - tanh²
+                grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
+            grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
+            dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
         grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
             walk.batch, kv_heads, len(rows), walk.group, head_size
         )
@@ -592,6 +667,23 @@ def attend_backward(
     grad_key, grad_value = grad_key.view(kv_shape), grad_value.view(kv_shape)
     # grad_key was taken against scale * unit * q; dividing by the unit brings it to scale * q.
     return unfold_heads(grad_query.mul_(scale)), grad_key.div_(units.unit), grad_value
+
+
+def sink_gradient(rows: RowStats, sinks: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sinks ``(H,)``. A sink takes ``p = exp(sink - shift) / total`` of each row's
+    mass and gives no value, so ``d out / d sink = -p * out`` and the gradient is
+    ``-sum p * delta`` over batch and rows, with ``delta = rowsum(grad_out * out)``."""
+    logits = sinks.to(rows.shift.dtype).view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
+    taken = rows.units.exp_(logits - rows.shift) / rows.total  # (B, H, Q)
+    taken = taken.masked_fill_(rows.total == 0, 0.0)  # no keys at all: out is 0 whatever the sink
+    return -(taken * delta).sum(dim=(0, 2))
+
+
+def _fold_slopes(slopes: Tensor | None, kv_heads: int) -> Tensor | None:
+    """ALiBi slopes ``(H,)`` or ``(B, H)`` as ``(B|1, Hkv, 1, G, 1)`` to match folded tiles."""
+    if slopes is None:
+        return None
+    return slopes.view(-1, kv_heads, slopes.shape[-1] // kv_heads)[:, :, None, :, None]
 
 
 def merge(out: Tensor, lse: Tensor, other_out: Tensor, other_lse: Tensor) -> tuple[Tensor, Tensor]:

@@ -50,6 +50,9 @@ def check_inputs(
     key_lengths: Tensor | None = None,
     key_starts: Tensor | None = None,
     document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Shape:
     """Validate an attention call against docs/design.md §2 and return its :class:`Shape`."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -103,6 +106,18 @@ def check_inputs(
                 f"document_ids needs q_len <= k_len (query row i is in the document of key "
                 f"k_len - q_len + i), got q_len={q_len}, k_len={k_len}"
             )
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, int | float)
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    if alibi_slopes is not None:
+        shapes = ((heads,), (batch, heads))
+        _check_floats("alibi_slopes", alibi_slopes, query, shapes, "(heads,) or (batch, heads)")
+    if sinks is not None:
+        _check_floats("sinks", sinks, query, ((heads,),), "(heads,)")
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     elif (
@@ -143,6 +158,21 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
             f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, q_len, "
             f"k_len) = {full}"
         )
+
+
+def _check_floats(
+    name: str, tensor: Tensor, query: Tensor, shapes: tuple[tuple[int, ...], ...], names: str
+) -> None:
+    """A floating-point tensor of one of ``shapes`` on the query's device."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if tuple(tensor.shape) not in shapes:
+        shown = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {names} = {shown}, got {tuple(tensor.shape)}")
+    if tensor.device != query.device:
+        raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}")
 
 
 def _check_integers(

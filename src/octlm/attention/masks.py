@@ -98,6 +98,22 @@ def dense_mask(
     return torch.where(structural, mask, float("-inf"))
 
 
+def distance(rows: range, columns: range, past: int, dtype=None, device=None) -> Tensor:
+    """``|past + i - j|`` as ``(len(rows), len(columns))``: how far key ``j`` lies from query
+    row ``i``, which ALiBi's bias ``-slope * distance`` penalises."""
+    position = past + torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)  # (R, 1)
+    column = torch.arange(columns.start, columns.stop, device=device).unsqueeze(0)  # (1, C)
+    return (position - column).abs().to(dtype)
+
+
+def alibi_bias(slopes: Tensor, q_len: int, k_len: int) -> Tensor:
+    """ALiBi's dense bias ``-slope * |k_len - q_len + i - j|``, ``(B|1, H, Q, K)``, for the
+    implementations that add it to the whole score matrix."""
+    slopes = slopes.view(-1, slopes.shape[-1], 1, 1)  # (B|1, H, 1, 1)
+    far = distance(range(q_len), range(k_len), k_len - q_len, slopes.dtype, slopes.device)
+    return -slopes * far  # (B|1, H, Q, K)
+
+
 def as_4d(mask: Tensor) -> Tensor:
     """A mask broadcastable to ``(B, H, Q, K)`` as a 4-D view, leading dims of size 1."""
     return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))

@@ -4,7 +4,8 @@ Callers (the model, verify, the benchmark worker, the tests) look an implementat
 never branch on its name. Every function takes ``(query, key, value, *, causal, window, mask,
 scale, dropout_p, key_lengths)``; ``tuning`` lists the extra keywords one also accepts (the
 tiled ``block`` and ``kernel``), which change speed, never the result beyond rounding, and
-``features`` the extra keywords that change what is computed (packed documents, left padding).
+``features`` the extra keywords that change what is computed (packed documents, left padding,
+score modifiers, sinks).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Implementation:
 
 
 # docs/design.md §2: the structure and score keywords naive, sdpa and tiled all take.
-FEATURES = ("key_starts", "document_ids")
+FEATURES = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks")
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl

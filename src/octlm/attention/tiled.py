@@ -19,6 +19,7 @@ from octlm.attention.blocks import (
     attend_backward,
     forward_rows,
     parse_block,
+    sink_gradient,
     unfold_heads,
 )
 from octlm.attention.inputs import check_inputs
@@ -28,14 +29,20 @@ class _TiledAttention(torch.autograd.Function):
     """Autograd through the block steps; saves query, key, value, output and lse only."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, key_lengths, key_starts, document_ids, options):
+    def forward(
+        ctx, query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
+        options,
+    ):  # fmt: skip
         structure = dict(key_lengths=key_lengths, key_starts=key_starts)
         structure["documents"] = _documents(document_ids, options["past"])
-        out, rows = forward_rows(query, key, value, mask=mask, **structure, **options)
+        out, rows = forward_rows(
+            query, key, value, mask=mask, alibi_slopes=alibi_slopes, sinks=sinks, **structure,
+            **options,
+        )  # fmt: skip
         out = out.to(query.dtype)
         ctx.save_for_backward(
             query, key, value, out, rows.shift, rows.total, mask, key_lengths, key_starts,
-            document_ids,
+            document_ids, alibi_slopes, sinks,
         )  # fmt: skip
         ctx.options, ctx.units = options, rows.units
         lse = rows.lse()
@@ -46,6 +53,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         (
             query, key, value, out, shift, total, mask, key_lengths, key_starts, document_ids,
+            alibi_slopes, sinks,
         ) = ctx.saved_tensors  # fmt: skip
         delta = (grad_out.to(shift.dtype) * out.to(shift.dtype)).sum(dim=-1)  # (B, H, Q)
         grad_mask = None
@@ -53,15 +61,28 @@ class _TiledAttention(torch.autograd.Function):
             batch, heads, q_len, _ = query.shape
             kv_heads, k_len = key.shape[1], key.shape[2]
             grad_mask = shift.new_zeros(batch, kv_heads, q_len, heads // kv_heads, k_len)
+        grad_alibi = None
+        if alibi_slopes is not None and ctx.needs_input_grad[7]:
+            grad_alibi = shift.new_zeros(
+                query.shape[0], key.shape[1], query.shape[1] // key.shape[1]
+            )
         rows = RowStats(shift, total, ctx.units)
         grad_query, grad_key, grad_value = attend_backward(
             query, key, value, grad_out, rows, delta, mask=mask, key_lengths=key_lengths,
             key_starts=key_starts, documents=_documents(document_ids, ctx.options["past"]),
-            grad_mask=grad_mask, **ctx.options,
+            grad_mask=grad_mask, alibi_slopes=alibi_slopes, grad_alibi=grad_alibi,
+            **ctx.options,
         )  # fmt: skip
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
+        if grad_alibi is not None:  # (B, Hkv, G) -> the slopes' (H,) or (B, H)
+            full = alibi_slopes.view(-1, query.shape[1]).shape  # (1 or B, H)
+            grad_alibi = grad_alibi.flatten(1).sum_to_size(full).view(alibi_slopes.shape)
+            grad_alibi = grad_alibi.to(alibi_slopes.dtype)
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[8]:
+            grad_sinks = sink_gradient(rows, sinks, delta).to(sinks.dtype)
         return (
             grad_query.to(query.dtype),
             grad_key.to(key.dtype),
@@ -70,6 +91,8 @@ class _TiledAttention(torch.autograd.Function):
             None,
             None,
             None,
+            grad_alibi,
+            grad_sinks,
             None,
         )
 
@@ -92,6 +115,9 @@ def tiled_attention(
     key_lengths: Tensor | None = None,
     key_starts: Tensor | None = None,
     document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     return_lse: bool = False,
     kernel: str = "auto",
@@ -120,6 +146,14 @@ def tiled_attention(
             k_len``) and sees only keys of its own document. Block pairs that share no
             document are skipped; blocks inside one document get no document mask. Ids need
             not be sorted, but runs of equal ids are what makes blocks skippable.
+        softcap: if given, scaled scores ``s`` become ``softcap * tanh(s / softcap)`` (as
+            Gemma 2), before any mask or bias is added; per tile, in forward and backward.
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)``: adds ALiBi's bias
+            ``-slope * |k_len - q_len + i - j|`` to each score, per tile (never a ``q_len x
+            k_len`` tensor). Slopes that require grad receive their gradient.
+        sinks: ``(heads,)``: one learnable logit per head that joins every row's softmax
+            denominator and carries no value (attention sinks); receives its gradient. A row
+            that sees no key still returns zeros; its log-sum-exp is the sink's.
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
@@ -134,7 +168,10 @@ def tiled_attention(
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     block = parse_block(block)  # checked on every path, used by the PyTorch one
-    given = dict(key_starts=key_starts, document_ids=document_ids)
+    given = dict(
+        key_starts=key_starts, document_ids=document_ids, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks,
+    )  # fmt: skip
     pytorch_only = [name for name in PYTORCH_ONLY if given[name] is not None]
     if kernel == "triton" and pytorch_only:
         raise ValueError(
@@ -152,18 +189,23 @@ def tiled_attention(
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, dropout_supported=False, key_lengths=key_lengths,
-        key_starts=key_starts, document_ids=document_ids,
+        key_starts=key_starts, document_ids=document_ids, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks,
     )  # fmt: skip
-    options = dict(past=shape.past, causal=causal, window=window, scale=shape.scale, block=block)
+    options = dict(
+        past=shape.past, causal=causal, window=window, scale=shape.scale, block=block,
+        softcap=softcap,
+    )  # fmt: skip
     out, lse = _TiledAttention.apply(
-        query, key, value, mask, key_lengths, key_starts, document_ids, options
-    )
+        query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
+        options,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 KERNELS = ("auto", "pytorch", "triton")
 # Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
-PYTORCH_ONLY = ("key_starts", "document_ids")
+PYTORCH_ONLY = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks")
 
 
 def _triton_fits(query: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> bool:
