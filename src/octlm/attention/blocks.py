@@ -119,14 +119,14 @@ class BlockWalk:
     documents (B, Q), key documents (B, K))`` a row sees only keys of its own document: a block
     pair whose document ranges do not meet is skipped, and one that lies inside a single
     document (in every batch element) needs no document mask.
+    Score tiles are written into one reused buffer: a fresh multi-MiB tensor per block costs
+    page faults comparable to the matmul itself.
 
     Score modifiers act on each tile, in this order, before any mask and before the shift is
     subtracted (docs/design.md §7): ``softcap`` (natural units) replaces the scores ``s`` by
     ``softcap * tanh(s / softcap)``, and ``alibi`` (folded slopes ``(B|1, Hkv, 1, G, 1)``)
     adds ``-slope * distance``. With ``keep_tanh`` the tile's ``tanh`` is kept in
     ``self.tanh`` for the backward.
-    Score tiles are written into one reused buffer: a fresh multi-MiB tensor per block costs
-    page faults comparable to the matmul itself.
 
     With ``careful`` (some input is not finite) hidden places are set to ``-inf`` by masked
     fills, never by adding a ``-inf`` bias, so a NaN a row cannot see stays out of its scores.
