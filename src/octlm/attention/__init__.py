@@ -17,6 +17,7 @@ lengths, ``D`` head size. Grouped-query attention shares each key/value head amo
     k k k k            k    k               k
 """
 
+from octlm.attention.block_masks import BlockMask, block_mask
 from octlm.attention.masks import attention_mask
 from octlm.attention.naive import naive_attention
 from octlm.attention.registry import IMPLEMENTATIONS, Implementation, implementation
@@ -26,8 +27,10 @@ from octlm.attention.tiled import tiled_attention
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "BlockMask",
     "Implementation",
     "attention_mask",
+    "block_mask",
     "implementation",
     "naive_attention",
     "ring_attention",

@@ -135,7 +135,7 @@ class BlockWalk:
     def __init__(
         self, query, keys, past, causal, window, mask, block, units, key_lengths=None,
         careful=False, key_starts=None, documents=None, softcap=None, alibi=None,
-        keep_tanh=False,
+        keep_tanh=False, block_map=None,
     ):  # fmt: skip
         self.batch, self.kv_heads, self.q_len, self.group, _ = query.shape
         self.k_len = keys.shape[2]
@@ -157,9 +157,13 @@ class BlockWalk:
         self.past, self.causal, self.window, self.mask = past, causal, window, mask
         self.units, self.careful = units, careful
         self.block_q, self.block_k = block
+        # A block mask fixes the tiles to its own grid.
+        self.block_map = block_map
+        if block_map is not None:
+            self.block_q, self.block_k = block_map.block
         # Decoding and short chunks: widen the key block so the score tile, not the Python
         # loop, sets the cost; the tile stays at most block_q x block_k per group.
-        if self.q_len < self.block_q:
+        elif self.q_len < self.block_q:
             self.block_k = self.block_k * self.block_q // max(self.q_len, 1)
         self.keys = keys
         self._buffers: dict[str, Tensor] = {}
@@ -172,11 +176,17 @@ class BlockWalk:
 
     def key_blocks(self, rows: range):
         keys = key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
+        if self.block_map is not None:  # start on the block mask's grid, skip its empty blocks
+            keys = range(keys.start // self.block_k * self.block_k, keys.stop)
         starts = range(keys.start, keys.stop, self.block_k)
         shared = self._shared_documents(rows, keys) if self.documents is not None else None
         for index, start in enumerate(starts):
-            if shared is None or shared[index]:
-                yield range(start, min(start + self.block_k, keys.stop))
+            if shared is not None and not shared[index]:
+                continue
+            grid = (rows.start // self.block_q, start // self.block_k)
+            if self.block_map is not None and not self.block_map.visits(*grid):
+                continue
+            yield range(start, min(start + self.block_k, keys.stop))
 
     def _shared_documents(self, rows: range, keys: range) -> list[bool]:
         """For each key block of ``keys``, whether some row of ``rows`` shares a document with
@@ -270,7 +280,11 @@ class BlockWalk:
         whole = fully_visible(rows, columns, self.past, self.causal, self.window)
         padded = columns.stop > self.shortest or columns.start < self.latest
         mixed = (rows.start, columns.start) in self._mixed
-        if whole and not padded and not mixed and self.mask is None and self.alibi is None:
+        piece = None
+        if self.block_map is not None:
+            piece = self.block_map.piece(rows.start // self.block_q, columns.start // self.block_k)
+        plain = self.mask is None and self.alibi is None and piece is None
+        if whole and not padded and not mixed and plain:
             return scores
         tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
         if self.alibi is not None:  # a float bias, added before the shift is subtracted
@@ -297,6 +311,11 @@ class BlockWalk:
         if padded:
             present = padding_mask(self.key_lengths, columns, self.key_starts)  # (B, 1, 1, C)
             tile.masked_fill_(~present.unsqueeze(1), NEG_INF)  # (B, 1, 1, 1, C)
+        if piece is not None:  # (b, h, R, C') of the block mask's grid
+            piece = _fold_mask(
+                piece[..., : len(columns)], self.kv_heads * self.group, self.kv_heads
+            )
+            tile.masked_fill_(~piece, NEG_INF)  # (b, Hkv|1, R, G|1, C)
         if mixed:
             query_documents, key_documents = self.documents
             row_ids = query_documents[:, rows.start : rows.stop, None]  # (B, R, 1)
@@ -442,6 +461,7 @@ def forward_rows(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    block_mask=None,
 ) -> tuple[Tensor, RowStats]:
     """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`."""
     dtype = accumulation_dtype(query.dtype)
@@ -473,6 +493,7 @@ def forward_rows(
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
         key_lengths, careful, key_starts, documents, softcap, _fold_slopes(alibi_slopes, kv_heads),
+        block_map=block_mask,
     )  # fmt: skip
     if sinks is not None:
         sinks = (sinks.to(dtype) * units.unit).view(1, kv_heads, 1, -1)  # (1, Hkv, 1, G)
@@ -530,6 +551,7 @@ def attend_forward(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    block_mask=None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``query`` over one chunk of keys: the forward block steps as a function.
 
@@ -550,7 +572,7 @@ def attend_forward(
     out, rows = forward_rows(
         query, key, value, past=past, causal=causal, window=window, mask=mask, scale=scale,
         block=block, key_lengths=key_lengths, key_starts=key_starts, documents=documents,
-        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
     )  # fmt: skip
     return out, rows.lse()
 
@@ -576,6 +598,7 @@ def attend_backward(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     grad_alibi: Tensor | None = None,
+    block_mask=None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one query chunk against one key chunk: the backward block steps.
 
@@ -619,7 +642,7 @@ def attend_backward(
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
         key_lengths, careful, key_starts, documents, softcap, _fold_slopes(alibi_slopes, kv_heads),
-        keep_tanh=True,
+        keep_tanh=True, block_map=block_mask,
     )  # fmt: skip
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)

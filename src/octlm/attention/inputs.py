@@ -53,6 +53,7 @@ def check_inputs(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    block_mask=None,
 ) -> Shape:
     """Validate an attention call against docs/design.md §2 and return its :class:`Shape`."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -118,6 +119,8 @@ def check_inputs(
         _check_floats("alibi_slopes", alibi_slopes, query, shapes, "(heads,) or (batch, heads)")
     if sinks is not None:
         _check_floats("sinks", sinks, query, ((heads,),), "(heads,)")
+    if block_mask is not None:
+        _check_block_mask(block_mask, (batch, heads, q_len, k_len))
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     elif (
@@ -157,6 +160,22 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, q_len, "
             f"k_len) = {full}"
+        )
+
+
+def _check_block_mask(block_mask, full: tuple[int, int, int, int]) -> None:
+    from octlm.attention.block_masks import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a BlockMask (octlm.attention.block_masks) or None, got "
+            f"{type(block_mask).__name__}"
+        )
+    built = (block_mask.batch, block_mask.heads, block_mask.q_len, block_mask.k_len)
+    if built != full:
+        raise ValueError(
+            f"block_mask was built for (batch, heads, q_len, k_len) = {built}, but the call "
+            f"has {full}"
         )
 
 

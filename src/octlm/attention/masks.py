@@ -70,6 +70,7 @@ def dense_mask(
     key_lengths: Tensor | None = None,
     key_starts: Tensor | None = None,
     document_ids: Tensor | None = None,
+    block_mask=None,
 ) -> Tensor | None:
     """The structural rules and a user ``mask`` as one dense mask, for kernels that need one.
 
@@ -77,7 +78,8 @@ def dense_mask(
     a float mask with ``-inf`` at hidden places when ``mask`` is float. ``key_lengths`` and
     ``key_starts`` (batch,) hide keys outside ``[start, length)``; ``document_ids`` (batch,
     k_len) hide keys of other documents than the row's (row ``i`` is in the document of key
-    ``k_len - q_len + i``).
+    ``k_len - q_len + i``); a ``block_mask`` (:mod:`octlm.attention.block_masks`) adds its
+    pattern.
     """
     structural = None
     if causal or window:
@@ -89,6 +91,9 @@ def dense_mask(
         rows = document_ids[:, k_len - q_len :]  # (B, Q)
         same = (rows[:, :, None] == document_ids[:, None, :]).unsqueeze(1)  # (B, 1, Q, K)
         structural = same if structural is None else structural & same
+    if block_mask is not None:
+        pattern = block_mask.dense(device)  # (b, h, Q, K)
+        structural = pattern if structural is None else structural & pattern
     if mask is None:
         return structural
     if structural is None:

@@ -33,6 +33,7 @@ def naive_attention(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    block_mask=None,
 ) -> Tensor:
     """Attention by the definition. Shapes and rules as :func:`octlm.attention.tiled_attention`.
 
@@ -44,6 +45,7 @@ def naive_attention(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
         document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        block_mask=block_mask,
     )  # fmt: skip
     key = key.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
     value = value.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
@@ -54,7 +56,7 @@ def naive_attention(
         scores = scores + alibi_bias(alibi_slopes, shape.q_len, shape.k_len).to(scores.dtype)
     hidden = dense_mask(
         shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths, key_starts,
-        document_ids,
+        document_ids, block_mask,
     )  # fmt: skip
     if hidden is not None and hidden.dtype == torch.bool:
         scores = scores.masked_fill(~hidden, float("-inf"))

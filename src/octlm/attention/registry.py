@@ -34,7 +34,7 @@ class Implementation:
 
 
 # docs/design.md §2: the structure and score keywords naive, sdpa and tiled all take.
-FEATURES = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks")
+FEATURES = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks", "block_mask")
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl

@@ -31,6 +31,7 @@ def sdpa_attention(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    block_mask=None,
 ) -> Tensor:
     """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``.
 
@@ -42,9 +43,11 @@ def sdpa_attention(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
         document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        block_mask=block_mask,
     )  # fmt: skip
     padded = key_lengths is not None or key_starts is not None
-    structured = mask is not None or padded or document_ids is not None or window > 0
+    structured = mask is not None or padded or window > 0
+    structured = structured or document_ids is not None or block_mask is not None
     modified = softcap is not None or alibi_slopes is not None or sinks is not None
     plain = not structured and not modified and (not causal or shape.past == 0)
     attn_mask = None
@@ -57,7 +60,7 @@ def sdpa_attention(
     if not plain:
         attn_mask = dense_mask(
             shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths,
-            key_starts, document_ids,
+            key_starts, document_ids, block_mask,
         )  # fmt: skip
         bias = _score_bias(query, key, shape, softcap, alibi_slopes)  # (B|1, H, Q, K) or None
         if bias is not None:

@@ -118,6 +118,7 @@ def tiled_attention(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    block_mask=None,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     return_lse: bool = False,
     kernel: str = "auto",
@@ -154,6 +155,10 @@ def tiled_attention(
         sinks: ``(heads,)``: one learnable logit per head that joins every row's softmax
             denominator and carries no value (attention sinks); receives its gradient. A row
             that sees no key still returns zeros; its log-sum-exp is the sink's.
+        block_mask: a :class:`~octlm.attention.block_masks.BlockMask` (any pattern, built
+            once by ``block_mask(mask_mod, ...)``), ANDed with the other rules. Its empty
+            blocks are skipped and its full ones get no mask; its blocks are the tiles
+            (``block`` is not used then).
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
@@ -170,7 +175,7 @@ def tiled_attention(
     block = parse_block(block)  # checked on every path, used by the PyTorch one
     given = dict(
         key_starts=key_starts, document_ids=document_ids, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks,
+        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
     )  # fmt: skip
     pytorch_only = [name for name in PYTORCH_ONLY if given[name] is not None]
     if kernel == "triton" and pytorch_only:
@@ -190,11 +195,11 @@ def tiled_attention(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, dropout_supported=False, key_lengths=key_lengths,
         key_starts=key_starts, document_ids=document_ids, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks,
+        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
     )  # fmt: skip
     options = dict(
         past=shape.past, causal=causal, window=window, scale=shape.scale, block=block,
-        softcap=softcap,
+        softcap=softcap, block_mask=block_mask,
     )  # fmt: skip
     out, lse = _TiledAttention.apply(
         query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
@@ -205,7 +210,7 @@ def tiled_attention(
 
 KERNELS = ("auto", "pytorch", "triton")
 # Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
-PYTORCH_ONLY = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks")
+PYTORCH_ONLY = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks", "block_mask")
 
 
 def _triton_fits(query: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> bool:
