@@ -83,13 +83,18 @@ def block_mask(
     for q_block in range(n_q):
         rows = range(q_block * block_q, min((q_block + 1) * block_q, q_len))
         visible = _evaluate(mask_mod, batch, heads, rows, range(k_len), device)  # (b, h, R, K)
-        for k_block in range(n_k):
+        # Whole key blocks at once: pad the last one with a copy of its last key, which
+        # changes neither "all" nor "any".
+        filler = visible[..., -1:].expand(*visible.shape[:-1], n_k * block_k - k_len)
+        grid = torch.cat([visible, filler], dim=-1).unflatten(-1, (n_k, block_k))
+        seen_all = grid.all(dim=-1).all(dim=-2)  # (b, h, nk)
+        seen_any = grid.any(dim=-1).any(dim=-2)  # (b, h, nk)
+        here = torch.where(seen_all, FULL, torch.where(seen_any, PARTIAL, EMPTY))
+        state[:, :, q_block] = here  # broadcast over batch and heads
+        mixed = ~((here == EMPTY).flatten(0, 1).all(0) | (here == FULL).flatten(0, 1).all(0))
+        for k_block in mixed.nonzero().flatten().tolist():
             part = visible[..., k_block * block_k : (k_block + 1) * block_k]  # (b, h, R, C)
-            seen = part.flatten(2)
-            here = torch.where(seen.all(-1), FULL, torch.where(seen.any(-1), PARTIAL, EMPTY))
-            state[:, :, q_block, k_block] = here  # (b, h) broadcast over batch and heads
-            if not (bool((here == EMPTY).all()) or bool((here == FULL).all())):
-                pieces[(q_block, k_block)] = part.contiguous()
+            pieces[(q_block, k_block)] = part.contiguous()
     return BlockMask(
         mask_mod, batch, heads, q_len, k_len, (block_q, block_k), state, pieces
     )  # fmt: skip
