@@ -6,6 +6,8 @@
 - :func:`ring_attention`: the tiled blocks over a sequence sharded across processes.
 
 ``IMPLEMENTATIONS`` maps each name to its function and what it supports; look them up there.
+:func:`block_mask` evaluates any ``mask_mod`` once per block, for ``block_mask=`` in every
+single-process implementation.
 
 Notation: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``Q``/``K`` query and key
 lengths, ``D`` head size. Grouped-query attention shares each key/value head among

@@ -8,6 +8,7 @@ turn), so a change in the machine's load falls on all of them alike; each figure
 over the rounds, with the spread (max - min) beside it. Every call includes its own mask
 work: ``tiled`` decides the skipped blocks from ``document_ids`` inside the call, ``sdpa``
 (forced onto its FLASH backend) builds the dense ``(B, 1, T, T)`` document mask in the call,
+``tiled block_mask`` builds ``block_mask(document_mod(...))`` in the call,
 and ``flex`` (``torch.nn.attention.flex_attention``, compiled, forward only: it has no CPU
 backward) adds the time of ``create_block_mask`` for the same ``mask_mod``, measured
 separately. Compilation happens in a warm-up call and is not timed.
@@ -29,7 +30,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from octlm import records
-from octlm.attention import sdpa_attention, tiled_attention
+from octlm.attention import block_mask, sdpa_attention, tiled_attention
+from octlm.attention.block_masks import document_mod
 
 EXPERIMENT = "bench-documents"
 OUTPUT = Path("runs") / "bench-documents-cpu.jsonl"
@@ -50,6 +52,12 @@ def backends(query, key, value, ids, modes) -> dict[tuple[str, str], Callable[[]
     def tiled_train():
         tiled_attention(query, key, value, document_ids=ids).sum().backward()
 
+    def block_mask_forward():  # the same pattern as a block mask, built in the call
+        length = ids.shape[1]
+        mask = block_mask(document_mod(ids, length), 1, query.shape[1], length, length)
+        with torch.no_grad():
+            tiled_attention(query, key, value, causal=False, block_mask=mask)
+
     def sdpa_forward():
         with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             sdpa_attention(query, key, value, document_ids=ids)
@@ -61,6 +69,7 @@ def backends(query, key, value, ids, modes) -> dict[tuple[str, str], Callable[[]
     calls = {
         ("tiled", "forward"): tiled_forward,
         ("tiled", "train"): tiled_train,
+        ("tiled block_mask", "forward"): block_mask_forward,
         ("flash", "forward"): sdpa_forward,
         ("flash", "train"): sdpa_train,
     }
