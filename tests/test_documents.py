@@ -239,3 +239,22 @@ def test_the_picture_in_the_design_doc():
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
     weights = naive_attention(zeros, zeros, value, document_ids=ids, key_starts=torch.tensor([1]))
     assert torch.equal(weights[0, 0] > 0, drawn)
+
+
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+@pytest.mark.parametrize("q_len, window", [(1, 0), (1, 5), (4, 0), (4, 7)])
+def test_left_padded_decoding_equals_each_row_alone(name, q_len, window):
+    """Ragged prompts, left-padded so each row's newest token is the last key: the
+    bottom-right causal and window rules then hold per row, and each row's attention equals
+    attention over its own keys alone."""
+    lengths = [9, 23, 16]
+    query, key, value = make_qkv(batch=3, q_len=q_len, k_len=23)
+    starts = torch.tensor([23 - n for n in lengths])
+    options = dict(key_starts=starts, window=window)
+    batched = SINGLE_PROCESS[name](query, key, value, **options)
+    alone = torch.cat([
+        reference(query[row : row + 1], key[row : row + 1, :, start:],
+                  value[row : row + 1, :, start:], window=window)
+        for row, start in enumerate(starts.tolist())
+    ])  # fmt: skip
+    assert_judged(batched, naive_attention(query, key, value, **options), alone)
