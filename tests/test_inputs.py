@@ -7,7 +7,13 @@ import sys
 import pytest
 import torch
 
-from octlm.attention import attention_mask, naive_attention, sdpa_attention, tiled_attention
+from octlm.attention import (
+    attention_mask,
+    block_mask,
+    naive_attention,
+    sdpa_attention,
+    tiled_attention,
+)
 from tests.helpers import make_qkv
 
 ALL = [naive_attention, sdpa_attention, tiled_attention]
@@ -128,6 +134,14 @@ CASES = [
     ),
     ("sinks shape", lambda *t: t, {"sinks": torch.ones(2, 4)}, ValueError, r"sinks must have"),
     ("sinks type", lambda *t: t, {"sinks": [0.0] * 4}, TypeError, "sinks must be a torch.Tensor"),
+    ("block_mask type", lambda *t: t, {"block_mask": torch.ones(8, 8)}, TypeError, "BlockMask"),
+    (
+        "block_mask shape",
+        lambda *t: t,
+        {"block_mask": block_mask(lambda b, h, q, k: k <= q, 2, 4, 8, 9)},
+        ValueError,
+        r"block_mask was built for \(batch, heads, q_len, k_len\) = \(2, 4, 8, 9\)",
+    ),
 ]
 
 

@@ -120,7 +120,7 @@ def check_inputs(
     if sinks is not None:
         _check_floats("sinks", sinks, query, ((heads,),), "(heads,)")
     if block_mask is not None:
-        _check_block_mask(block_mask, (batch, heads, q_len, k_len))
+        _check_block_mask(block_mask, query, (batch, heads, q_len, k_len))
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     elif (
@@ -163,7 +163,7 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
         )
 
 
-def _check_block_mask(block_mask, full: tuple[int, int, int, int]) -> None:
+def _check_block_mask(block_mask, query: Tensor, full: tuple[int, int, int, int]) -> None:
     from octlm.attention.block_masks import BlockMask
 
     if not isinstance(block_mask, BlockMask):
@@ -176,6 +176,10 @@ def _check_block_mask(block_mask, full: tuple[int, int, int, int]) -> None:
         raise ValueError(
             f"block_mask was built for (batch, heads, q_len, k_len) = {built}, but the call "
             f"has {full}"
+        )
+    if block_mask.state.device != query.device:
+        raise ValueError(
+            f"block_mask was built on {block_mask.state.device} but query is on {query.device}"
         )
 
 
