@@ -258,3 +258,20 @@ def test_left_padded_decoding_equals_each_row_alone(name, q_len, window):
         for row, start in enumerate(starts.tolist())
     ])  # fmt: skip
     assert_judged(batched, naive_attention(query, key, value, **options), alone)
+
+
+@pytest.mark.parametrize("name", ["naive", "tiled"])
+@pytest.mark.parametrize("block", [(16, 8), (64, 64)], ids=str)
+def test_nan_stays_inside_its_document(name, block):
+    """docs/design.md §2: a NaN in a key or value of one document reaches exactly the rows of
+    that document that see it, never another document's rows."""
+    query, key, value, ids = inputs("crossing")
+    key[0, 0, 20, 3] = float("nan")  # document 1 of row 0 (keys 13..52)
+    value[1, 1, 60, 0] = float("nan")  # document 1 of row 1 (keys 50..99)
+    function = tiled(block) if name == "tiled" else naive_attention
+    out = function(query, key, value, document_ids=ids)
+    position = torch.arange(100)
+    broken = torch.zeros(2, 4, 100, dtype=torch.bool)
+    broken[0, :2] = (ids[0] == 1) & (position >= 20)  # kv head 0 serves query heads 0, 1
+    broken[1, 2:] = (ids[1] == 1) & (position >= 60)  # kv head 1 serves query heads 2, 3
+    assert torch.equal(out.isnan().any(dim=-1), broken)
