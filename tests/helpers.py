@@ -31,10 +31,20 @@ def reference(
     mask: Tensor | None = None,
     key_lengths: Tensor | None = None,
     scale: float | None = None,
-) -> Tensor:
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention in float64 from the definition, sharing no code with octlm.
 
-    Visibility is built from absolute positions: query row i is at position k_len - q_len + i.
+    Visibility is built from absolute positions: query row i is at position k_len - q_len + i,
+    and belongs to that key's document. ``softcap`` bounds the scaled scores before anything is
+    added; ``alibi_slopes`` adds -slope * distance; ``sinks`` are one extra logit per head in
+    every row's softmax, with no value. With ``return_lse`` also the log of each row's
+    softmax denominator, ``(B, H, Q)``, ``-inf`` where it is empty.
     """
     query, key, value = query.double(), key.double(), value.double()
     batch, heads, q_len, head_size = query.shape
@@ -43,8 +53,13 @@ def reference(
     key, value = key[:, owner], value[:, owner]
     scale = head_size**-0.5 if scale is None else scale
     scores = torch.einsum("bhqd,bhkd->bhqk", query, key) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     position = (k_len - q_len + torch.arange(q_len)).view(-1, 1)
     column = torch.arange(k_len).view(1, -1)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.double().expand(batch, heads)[:, :, None, None]
+        scores = scores - slopes * (position - column).abs()
     visible = torch.ones(q_len, k_len, dtype=torch.bool)
     if causal:
         visible = visible & (column <= position)
@@ -53,6 +68,12 @@ def reference(
     visible = visible.expand(batch, heads, q_len, k_len)
     if key_lengths is not None:
         visible = visible & (column < key_lengths.view(-1, 1, 1, 1))
+    if key_starts is not None:
+        visible = visible & (column >= key_starts.view(-1, 1, 1, 1))
+    if document_ids is not None:
+        row_documents = document_ids[:, position.view(-1)]  # (B, Q)
+        same = row_documents[:, :, None] == document_ids[:, None, :]  # (B, Q, K)
+        visible = visible & same[:, None]
     if mask is not None and mask.dtype == torch.bool:
         visible = visible & mask
     elif mask is not None:
@@ -60,15 +81,24 @@ def reference(
         visible = visible & (mask.double() != float("-inf"))  # only -inf hides
     scores = torch.where(visible, scores, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.double().view(1, heads, 1, 1)
+        top = torch.maximum(top, sink)
     top = torch.where(top.isinf(), torch.zeros_like(top), top)
     weights = (scores - top).exp()
     total = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        total = total + (sink - top).exp()
     weights = weights / torch.where(total == 0, torch.ones_like(total), total)
     if value.isfinite().all():
-        return torch.einsum("bhqk,bhkd->bhqd", weights, value)
-    # A value a row cannot see must not reach it, even times a zero weight: sum term by term.
-    terms = weights[..., None] * value[:, :, None]  # (B, H, Q, K, D)
-    return torch.where(visible[..., None], terms, 0.0).sum(dim=-2)
+        out = torch.einsum("bhqk,bhkd->bhqd", weights, value)
+    else:
+        # A value a row cannot see must not reach it, even times a zero weight: sum term by term.
+        terms = weights[..., None] * value[:, :, None]  # (B, H, Q, K, D)
+        out = torch.where(visible[..., None], terms, 0.0).sum(dim=-2)
+    if not return_lse:
+        return out
+    return out, (top + total.log()).squeeze(-1)
 
 
 def assert_judged(tested: Tensor, base: Tensor, golden: Tensor, factor: float = 2.0) -> None:

@@ -7,7 +7,13 @@ import sys
 import pytest
 import torch
 
-from octlm.attention import attention_mask, naive_attention, sdpa_attention, tiled_attention
+from octlm.attention import (
+    attention_mask,
+    block_mask,
+    naive_attention,
+    sdpa_attention,
+    tiled_attention,
+)
 from tests.helpers import make_qkv
 
 ALL = [naive_attention, sdpa_attention, tiled_attention]
@@ -81,6 +87,61 @@ CASES = [
         "integer tensor",
     ),
     ("dropout", lambda *t: t, {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
+    (
+        "key_starts range",
+        lambda *t: t,
+        {"key_starts": torch.tensor([-1, 2])},
+        ValueError,
+        r"key_starts must lie in \[0, k_len=8\]",
+    ),
+    ("key_starts dtype", lambda *t: t, {"key_starts": torch.zeros(2)}, TypeError, "key_starts"),
+    (
+        "document_ids shape",
+        lambda *t: t,
+        {"document_ids": torch.zeros(2, 7, dtype=torch.long)},
+        ValueError,
+        r"document_ids must have shape \(batch, k_len\) = \(2, 8\), got \(2, 7\)",
+    ),
+    (
+        "document_ids dtype",
+        lambda *t: t,
+        {"document_ids": torch.zeros(2, 8, dtype=torch.bool)},
+        TypeError,
+        "document_ids must be an integer tensor, got torch.bool",
+    ),
+    (
+        "document_ids q_len > k_len",
+        lambda q, k, v: (q, k[:, :, :6], v[:, :, :6]),
+        {"document_ids": torch.zeros(2, 6, dtype=torch.long), "causal": False},
+        ValueError,
+        "document_ids needs q_len <= k_len",
+    ),
+    ("softcap", lambda *t: t, {"softcap": 0.0}, ValueError, "softcap must be a positive"),
+    ("softcap inf", lambda *t: t, {"softcap": float("inf")}, ValueError, "softcap must be"),
+    (
+        "alibi shape",
+        lambda *t: t,
+        {"alibi_slopes": torch.ones(2)},
+        ValueError,
+        r"alibi_slopes must have shape \(heads,\) or \(batch, heads\) = \(4,\) or \(2, 4\)",
+    ),
+    (
+        "alibi dtype",
+        lambda *t: t,
+        {"alibi_slopes": torch.ones(4, dtype=torch.long)},
+        TypeError,
+        "alibi_slopes must be a floating-point tensor",
+    ),
+    ("sinks shape", lambda *t: t, {"sinks": torch.ones(2, 4)}, ValueError, r"sinks must have"),
+    ("sinks type", lambda *t: t, {"sinks": [0.0] * 4}, TypeError, "sinks must be a torch.Tensor"),
+    ("block_mask type", lambda *t: t, {"block_mask": torch.ones(8, 8)}, TypeError, "BlockMask"),
+    (
+        "block_mask shape",
+        lambda *t: t,
+        {"block_mask": block_mask(lambda b, h, q, k: k <= q, 2, 4, 8, 9)},
+        ValueError,
+        r"block_mask was built for \(batch, heads, q_len, k_len\) = \(2, 4, 8, 9\)",
+    ),
 ]
 
 

@@ -6,6 +6,8 @@
 - :func:`ring_attention`: the tiled blocks over a sequence sharded across processes.
 
 ``IMPLEMENTATIONS`` maps each name to its function and what it supports; look them up there.
+:func:`block_mask` evaluates any ``mask_mod`` once per block, for ``block_mask=`` in every
+single-process implementation.
 
 Notation: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``Q``/``K`` query and key
 lengths, ``D`` head size. Grouped-query attention shares each key/value head among
@@ -17,6 +19,7 @@ lengths, ``D`` head size. Grouped-query attention shares each key/value head amo
     k k k k            k    k               k
 """
 
+from octlm.attention.block_masks import BlockMask, block_mask
 from octlm.attention.masks import attention_mask
 from octlm.attention.naive import naive_attention
 from octlm.attention.registry import IMPLEMENTATIONS, Implementation, implementation
@@ -26,8 +29,10 @@ from octlm.attention.tiled import tiled_attention
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "BlockMask",
     "Implementation",
     "attention_mask",
+    "block_mask",
     "implementation",
     "naive_attention",
     "ring_attention",

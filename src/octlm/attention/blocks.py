@@ -3,9 +3,9 @@
 Queries and keys are cut into blocks. For each query block a per-row shift, the running sum
 and the unnormalised output are carried across key blocks (:class:`OnlineSoftmax`), and the
 output is normalised once at the end. :class:`BlockWalk` says which key blocks a query block
-visits (blocks that the causal/window rules or padding hide entirely are never touched) and
-computes one score tile with the hidden places at ``-inf``; blocks the rules show whole get no
-mask arithmetic at all. No ``q_len x k_len`` tensor is ever made.
+visits (blocks that the causal/window rules, padding or packed documents hide entirely are never
+touched) and computes one score tile with the hidden places at ``-inf``; blocks the rules show
+whole get no mask arithmetic at all. No ``q_len x k_len`` tensor is ever made.
 
 :func:`attend_forward` and :func:`attend_backward` are the steps as functions, over one chunk
 of queries against one chunk of keys; :func:`merge` combines partial results over disjoint key
@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from octlm.attention.masks import allowed, as_4d, fully_visible, key_range, padding_mask
+from octlm.attention.masks import (
+    allowed,
+    as_4d,
+    distance,
+    fully_visible,
+    key_range,
+    padding_mask,
+)
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -109,8 +116,18 @@ class BlockWalk:
     Works on inputs in the folded layout: ``query (B, Hkv, Q, G, D [+ 1])`` and ``keys (B, Hkv,
     K, D [+ 1])`` may carry one extra column each (see :func:`_fold`); ``mask`` is as
     :func:`_fold_mask` returns. ``past`` places query row ``i`` at key position ``past + i``.
+    Keys outside ``[key_starts[b], key_lengths[b])`` are padding. With ``documents = (query
+    documents (B, Q), key documents (B, K))`` a row sees only keys of its own document: a block
+    pair whose document ranges do not meet is skipped, and one that lies inside a single
+    document (in every batch element) needs no document mask.
     Score tiles are written into one reused buffer: a fresh multi-MiB tensor per block costs
     page faults comparable to the matmul itself.
+
+    Score modifiers act on each tile, in this order, before any mask and before the shift is
+    subtracted (docs/design.md §7): ``softcap`` (natural units) replaces the scores ``s`` by
+    ``softcap * tanh(s / softcap)``, and ``alibi`` (folded slopes ``(B|1, Hkv, 1, G, 1)``)
+    adds ``-slope * distance``. With ``keep_tanh`` the tile's ``tanh`` is kept in
+    ``self.tanh`` for the backward.
 
     With ``careful`` (some input is not finite) hidden places are set to ``-inf`` by masked
     fills, never by adding a ``-inf`` bias, so a NaN a row cannot see stays out of its scores.
@@ -118,35 +135,80 @@ class BlockWalk:
 
     def __init__(
         self, query, keys, past, causal, window, mask, block, units, key_lengths=None,
-        careful=False,
+        careful=False, key_starts=None, documents=None, softcap=None, alibi=None,
+        keep_tanh=False, block_map=None,
     ):  # fmt: skip
         self.batch, self.kv_heads, self.q_len, self.group, _ = query.shape
         self.k_len = keys.shape[2]
-        # Padding: keys past the longest length are skipped, keys before the shortest are
-        # whole; only blocks in between need the per-batch mask.
-        self.key_lengths = key_lengths
+        # Padding: keys past the longest length or before the earliest start are skipped,
+        # keys between the latest start and the shortest length are whole; only blocks in
+        # between need the per-batch mask.
+        self.key_lengths, self.key_starts = key_lengths, key_starts
         self.longest, self.shortest = self.k_len, self.k_len
         if key_lengths is not None:
             self.longest, self.shortest = int(key_lengths.max()), int(key_lengths.min())
+        self.earliest, self.latest = 0, 0
+        if key_starts is not None:
+            self.earliest, self.latest = int(key_starts.min()), int(key_starts.max())
+        self.documents = documents
+        self._mixed: set[tuple[int, int]] = set()  # block pairs that need the document mask
+        self.cap = None if softcap is None else softcap * units.unit  # in the walk's units
+        self.alibi = None if alibi is None else alibi.to(keys.dtype) * -units.unit  # in units
+        self.keep_tanh, self.tanh = keep_tanh, None
         self.past, self.causal, self.window, self.mask = past, causal, window, mask
         self.units, self.careful = units, careful
         self.block_q, self.block_k = block
+        # A block mask fixes the tiles to its own grid.
+        self.block_map = block_map
+        if block_map is not None:
+            self.block_q, self.block_k = block_map.block
         # Decoding and short chunks: widen the key block so the score tile, not the Python
         # loop, sets the cost; the tile stays at most block_q x block_k per group.
-        if self.q_len < self.block_q:
+        elif self.q_len < self.block_q:
             self.block_k = self.block_k * self.block_q // max(self.q_len, 1)
         self.keys = keys
         self._buffers: dict[str, Tensor] = {}
         self._edges: dict[tuple[int, int, int], Tensor] = {}
+        self._distances: dict[tuple[int, int, int], Tensor] = {}
 
     def query_blocks(self):
         for start in range(0, self.q_len, self.block_q):
             yield range(start, min(start + self.block_q, self.q_len))
 
     def key_blocks(self, rows: range):
-        keys = key_range(rows, self.longest, self.past, self.causal, self.window)
-        for start in range(keys.start, keys.stop, self.block_k):
+        keys = key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
+        if self.block_map is not None:  # start on the block mask's grid, skip its empty blocks
+            keys = range(keys.start // self.block_k * self.block_k, keys.stop)
+        starts = range(keys.start, keys.stop, self.block_k)
+        shared = self._shared_documents(rows, keys) if self.documents is not None else None
+        for index, start in enumerate(starts):
+            if shared is not None and not shared[index]:
+                continue
+            grid = (rows.start // self.block_q, start // self.block_k)
+            if self.block_map is not None and not self.block_map.visits(*grid):
+                continue
             yield range(start, min(start + self.block_k, keys.stop))
+
+    def _shared_documents(self, rows: range, keys: range) -> list[bool]:
+        """For each key block of ``keys``, whether some row of ``rows`` shares a document with
+        it in some batch element. Decided from each side's smallest and largest document id,
+        so it costs O(B * (R + K)), never a rows x keys tensor. Block pairs that share one but
+        are not a single document on both sides are recorded for the element-wise mask."""
+        if not len(keys):
+            return []
+        query_documents, key_documents = self.documents
+        part = query_documents[:, rows.start : rows.stop]  # (B, R)
+        q_low, q_high = part.amin(dim=1, keepdim=True), part.amax(dim=1, keepdim=True)  # (B, 1)
+        count = -(-len(keys) // self.block_k)
+        part = key_documents[:, keys.start : keys.stop]  # (B, K')
+        filler = part[:, -1:].expand(-1, count * self.block_k - len(keys))  # repeats an id
+        part = torch.cat([part, filler], dim=1).view(self.batch, count, self.block_k)
+        k_low, k_high = part.amin(dim=2), part.amax(dim=2)  # (B, n)
+        meet = ((k_low <= q_high) & (k_high >= q_low)).any(dim=0)  # (n,)
+        single = ((k_low == q_high) & (k_high == q_low)).all(dim=0)  # all four ids equal
+        for index in (meet & ~single).nonzero().flatten().tolist():
+            self._mixed.add((rows.start, keys.start + index * self.block_k))
+        return meet.tolist()
 
     def rows(self, tensor: Tensor, rows: range) -> Tensor:
         """One query block of a folded (B, Hkv, Q, G, C) tensor as (B, Hkv, R * G, C)."""
@@ -183,6 +245,17 @@ class BlockWalk:
             self._edges[key] = bias.masked_fill_(~visible, NEG_INF)
         return self._edges[key]
 
+    def distance(self, rows: range, columns: range) -> Tensor:
+        """``|past + i - j|`` of one block, ``(R, C)``; cached like the edges, since it depends
+        only on the block's offset from the diagonal."""
+        offset = self.past + rows.start - columns.start
+        key = (len(rows), len(columns), offset)
+        if key not in self._distances:
+            self._distances[key] = distance(
+                range(len(rows)), range(len(columns)), offset, self.keys.dtype, self.keys.device
+            )  # fmt: skip
+        return self._distances[key]
+
     def scores(
         self, q_block: Tensor, rows: range, columns: range, transposed: bool = False
     ) -> Tensor:
@@ -200,11 +273,23 @@ class BlockWalk:
         else:
             tile = self.tile("scores", *size)
             scores = torch.bmm(q_block, k_block.transpose(1, 2), out=tile)  # (B*Hkv, R*G, C)
+        if self.cap is not None:  # bounded scores: the shift logic of §7 holds as it is
+            scores.div_(self.cap).tanh_()
+            if self.keep_tanh:
+                self.tanh = self.tile("tanh", *scores.shape).copy_(scores)
+            scores.mul_(self.cap)
         whole = fully_visible(rows, columns, self.past, self.causal, self.window)
-        padded = columns.stop > self.shortest
-        if whole and not padded and self.mask is None:
+        padded = columns.stop > self.shortest or columns.start < self.latest
+        mixed = (rows.start, columns.start) in self._mixed
+        piece = None
+        if self.block_map is not None:
+            piece = self.block_map.piece(rows.start // self.block_q, columns.start // self.block_k)
+        plain = self.mask is None and self.alibi is None and piece is None
+        if whole and not padded and not mixed and plain:
             return scores
         tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
+        if self.alibi is not None:  # a float bias, added before the shift is subtracted
+            tile.addcmul_(self.alibi, self.distance(rows, columns).unsqueeze(1))
         if self.mask is not None:
             part = self.mask[
                 :,
@@ -225,8 +310,18 @@ class BlockWalk:
             else:
                 tile.add_(self._edge(rows, columns).unsqueeze(1))  # (R, 1, C) over the group
         if padded:
-            present = padding_mask(self.key_lengths, columns)  # (B, 1, 1, C)
+            present = padding_mask(self.key_lengths, columns, self.key_starts)  # (B, 1, 1, C)
             tile.masked_fill_(~present.unsqueeze(1), NEG_INF)  # (B, 1, 1, 1, C)
+        if piece is not None:  # (b, h, R, C') of the block mask's grid
+            piece = _fold_mask(
+                piece[..., : len(columns)], self.kv_heads * self.group, self.kv_heads
+            )
+            tile.masked_fill_(~piece, NEG_INF)  # (b, Hkv|1, R, G|1, C)
+        if mixed:
+            query_documents, key_documents = self.documents
+            row_ids = query_documents[:, rows.start : rows.stop, None]  # (B, R, 1)
+            same = row_ids == key_documents[:, None, columns.start : columns.stop]  # (B, R, C)
+            tile.masked_fill_(~same[:, None, :, None, :], NEG_INF)  # (B, 1, R, 1, C)
         return scores
 
 
@@ -303,8 +398,7 @@ def _as_3d(x: Tensor) -> Tensor:
 
 
 def _all_finite(*tensors: Tensor | None) -> bool:
-    """One pass over the inputs (O(T·D), against the O(T²·D) attention) decides whether the
-    NaN-safe masking is needed at all."""
+    """Whether the NaN-safe masking can be skipped, for a caller with no forward to ask."""
     return all(t is None or not t.is_floating_point() or bool(t.isfinite().all()) for t in tensors)
 
 
@@ -353,6 +447,17 @@ class OnlineSoftmax:
             self.q_block[..., -1:] = -shift.view(*self.q_block.shape[:-1], 1)
         return scores.sub_(shift)
 
+    def absorb(self, logits: Tensor) -> None:
+        """One more score per row, ``(B*Hkv, R, 1)`` in units, that joins the sum and carries
+        no value: an attention sink. The shift moves up to it where it is larger (rows that
+        saw no key take it), rescaling what was summed by ``exp(old - new) <= 1``."""
+        empty = self.running_sum == 0
+        shift = torch.where(empty, logits, torch.maximum(self.shift, logits))
+        correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
+        self.running_sum.mul_(correction).add_(self.walk.units.exp_(logits - shift))
+        self.acc.mul_(correction)
+        self.shift = shift
+
     def output(self) -> Tensor:
         """Normalised output ``(B*Hkv, R, D)``; rows that saw no key are 0."""
         seen = self.running_sum > 0
@@ -371,6 +476,12 @@ def forward_rows(
     scale: float,
     block: tuple[int, int],
     key_lengths: Tensor | None,
+    key_starts: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask=None,
 ) -> tuple[Tensor, RowStats]:
     """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`.
 
@@ -379,8 +490,11 @@ def forward_rows(
     which is the whole cost of decoding one token). Only then is the call run again with the
     masked fills that keep a hidden NaN out of the rows that cannot see it.
     """
-    options = dict(past=past, causal=causal, window=window, mask=mask, scale=scale,
-                   block=block, key_lengths=key_lengths)  # fmt: skip
+    options = dict(
+        past=past, causal=causal, window=window, mask=mask, scale=scale, block=block,
+        key_lengths=key_lengths, key_starts=key_starts, documents=documents, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
+    )  # fmt: skip
     out, rows = _forward_pass(query, key, value, careful=False, **options)
     if bool(out.isnan().any()):
         out, rows = _forward_pass(query, key, value, careful=True, **options)
@@ -388,8 +502,9 @@ def forward_rows(
 
 
 def _forward_pass(
-    query, key, value, *, past, causal, window, mask, scale, block, key_lengths, careful
-) -> tuple[Tensor, RowStats]:
+    query, key, value, *, past, causal, window, mask, scale, block, key_lengths, key_starts,
+    documents, softcap, alibi_slopes, sinks, block_mask, careful,
+) -> tuple[Tensor, RowStats]:  # fmt: skip
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
     units = Units.choose(mask, dtype)
@@ -400,8 +515,10 @@ def _forward_pass(
     rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
     # The fused shift costs a copy of the keys with a column of ones: worth it when each key
     # block meets many query rows, not when decoding one token against a long cache. A float
-    # mask must be added before the shift is subtracted, so it is never fused.
-    fused = rows_per_block >= FUSED_SHIFT_ROWS and not float_mask
+    # mask must be added before the shift is subtracted, so it is never fused; nor are the
+    # score modifiers, which act on the scores themselves.
+    modified = softcap is not None or alibi_slopes is not None
+    fused = rows_per_block >= FUSED_SHIFT_ROWS and not float_mask and not modified
     extra = 0.0 if fused else None
     folded = _fold(query, kv_heads, scale * units.unit, dtype, extra)  # (B, Hkv, Q, G, D [+ 1])
     keys = _keys(key, dtype, 1.0 if fused else None)  # (B, Hkv, K, D [+ 1])
@@ -415,8 +532,11 @@ def _forward_pass(
         broken = _as_3d(broken.to(dtype))
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
-        key_lengths, careful,
+        key_lengths, careful, key_starts, documents, softcap,
+        _fold_slopes(alibi_slopes, kv_heads), block_map=block_mask,
     )  # fmt: skip
+    if sinks is not None:
+        sinks = (sinks.to(dtype) * units.unit).view(1, kv_heads, 1, -1)  # (1, Hkv, 1, G)
     out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
     shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
     total = torch.empty_like(shift)  # (B, Hkv, Q, G)
@@ -441,6 +561,9 @@ def _forward_pass(
                 poison = seen_broken if poison is None else poison | seen_broken
             if state.unset:
                 state.unset = bool((state.running_sum == 0).any())
+        if sinks is not None:
+            shape = (walk.batch, kv_heads, len(rows), walk.group)
+            state.absorb(sinks.expand(shape).reshape(walk.batch * kv_heads, -1, 1))
         result = state.output()  # (B*Hkv, R, D)
         if poison is not None:
             result.masked_fill_(poison, float("nan"))
@@ -464,12 +587,21 @@ def attend_forward(
     scale: float,
     block: tuple[int, int] = DEFAULT_BLOCK,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask=None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``query`` over one chunk of keys: the forward block steps as a function.
 
     ``query (B, H, Q, D)``, ``key``/``value (B, Hkv, K, D)``; query row ``i`` sits at key
-    position ``past + i`` of this chunk. Inputs are not validated here (the public functions do
-    that). Returns ``out (B, H, Q, D)`` normalised, and ``lse (B, H, Q)``, both in the
+    position ``past + i`` of this chunk; keys outside ``[key_starts[b], key_lengths[b])`` are
+    padding, and ``documents = (query ids (B, Q), key ids (B, K))`` restricts each row to keys
+    of its own document. ``softcap``, ``alibi_slopes`` and ``sinks`` are the score modifiers of
+    ``tiled_attention``. Inputs are not validated here (the public functions do that).
+    Returns ``out (B, H, Q, D)`` normalised, and ``lse (B, H, Q)``, both in the
     accumulation dtype; rows that see no key get ``out = 0`` and ``lse = -inf``. Two such
     partial results over disjoint key chunks combine exactly with :func:`merge`.
 
@@ -480,7 +612,8 @@ def attend_forward(
     """
     out, rows = forward_rows(
         query, key, value, past=past, causal=causal, window=window, mask=mask, scale=scale,
-        block=block, key_lengths=key_lengths,
+        block=block, key_lengths=key_lengths, key_starts=key_starts, documents=documents,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
     )  # fmt: skip
     return out, rows.lse()
 
@@ -501,6 +634,12 @@ def attend_backward(
     block: tuple[int, int] = DEFAULT_BLOCK,
     key_lengths: Tensor | None = None,
     grad_mask: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    grad_alibi: Tensor | None = None,
+    block_mask=None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one query chunk against one key chunk: the backward block steps.
 
@@ -509,7 +648,10 @@ def attend_backward(
     calls or processes), so each chunk's probabilities ``exp(score - shift) / total`` are
     exact. Returns ``dq (B, H, Q, D)`` and ``dk``/``dv (B, Hkv, K, D)`` in the accumulation
     dtype, summed over each GQA group. When ``grad_mask`` (folded like the mask, full size) is
-    given, the scores' gradient is written into it.
+    given, the scores' gradient is written into it; when ``grad_alibi`` (``(B, Hkv, G)``,
+    whatever the slopes' shape) is, the gradient of the ALiBi slopes is added to it. Sinks
+    change nothing here (they live in the row statistics); their gradient is
+    :func:`sink_gradient`.
     """
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
@@ -523,7 +665,8 @@ def attend_backward(
         lse = RowStats(shift, seen.to(dtype), units, careful=not _all_finite(query, key, value))
     units = lse.units
     float_mask = mask is not None and mask.is_floating_point()
-    fused = not float_mask and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
+    modified = softcap is not None or alibi_slopes is not None
+    fused = not float_mask and not modified and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
     folded = _fold(query, kv_heads, scale * units.unit, dtype, 0.0 if fused else None)
     shift = _fold_rows(lse.shift, kv_heads, dtype)  # (B, Hkv, Q, G, 1), in units
     if fused:  # the extra column holds -shift, so the matmul yields scores - shift
@@ -539,7 +682,8 @@ def attend_backward(
     value = _blockwise(value.to(dtype))  # (B, Hkv, K, D)
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
-        key_lengths, lse.careful,
+        key_lengths, lse.careful, key_starts, documents, softcap,
+        _fold_slopes(alibi_slopes, kv_heads), keep_tanh=True, block_map=block_mask,
     )  # fmt: skip
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
@@ -569,12 +713,17 @@ def attend_backward(
                 out=walk.tile("grad_t", *probs_t.shape),
             )  # (B*Hkv, C, R), d loss / d probsᵀ  # fmt: skip
             grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
-            grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
-            dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
             if grad_mask is not None:
                 grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
                     grad_scores_t, rows, columns, transposed=True
                 )
+            if grad_alibi is not None:  # the bias is -slope * distance
+                tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
+                grad_alibi -= torch.einsum("bkrgc,rc->bkg", tile, walk.distance(rows, columns))
+            if softcap is not None:  # through the cap: d tanh = 1 - tanh²
+                grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
+            grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
+            dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
         grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
             walk.batch, kv_heads, len(rows), walk.group, head_size
         )
@@ -582,6 +731,23 @@ def attend_backward(
     grad_key, grad_value = grad_key.view(kv_shape), grad_value.view(kv_shape)
     # grad_key was taken against scale * unit * q; dividing by the unit brings it to scale * q.
     return unfold_heads(grad_query.mul_(scale)), grad_key.div_(units.unit), grad_value
+
+
+def sink_gradient(rows: RowStats, sinks: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sinks ``(H,)``. A sink takes ``p = exp(sink - shift) / total`` of each row's
+    mass and gives no value, so ``d out / d sink = -p * out`` and the gradient is
+    ``-sum p * delta`` over batch and rows, with ``delta = rowsum(grad_out * out)``."""
+    logits = sinks.to(rows.shift.dtype).view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
+    taken = rows.units.exp_(logits - rows.shift) / rows.total  # (B, H, Q)
+    taken = taken.masked_fill_(rows.total == 0, 0.0)  # no keys at all: out is 0 whatever the sink
+    return -(taken * delta).sum(dim=(0, 2))
+
+
+def _fold_slopes(slopes: Tensor | None, kv_heads: int) -> Tensor | None:
+    """ALiBi slopes ``(H,)`` or ``(B, H)`` as ``(B|1, Hkv, 1, G, 1)`` to match folded tiles."""
+    if slopes is None:
+        return None
+    return slopes.view(-1, kv_heads, slopes.shape[-1] // kv_heads)[:, :, None, :, None]
 
 
 def merge(out: Tensor, lse: Tensor, other_out: Tensor, other_lse: Tensor) -> tuple[Tensor, Tensor]:

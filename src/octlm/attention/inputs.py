@@ -48,6 +48,12 @@ def check_inputs(
     dropout_p: float = 0.0,
     dropout_supported: bool = True,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask=None,
 ) -> Shape:
     """Validate an attention call against docs/design.md §2 and return its :class:`Shape`."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -87,8 +93,34 @@ def check_inputs(
         raise ValueError(f"window must be an int >= 0 (0 = no window), got {window!r}")
     if mask is not None:
         _check_mask(mask, query, (batch, heads, q_len, k_len))
-    if key_lengths is not None:
-        _check_key_lengths(key_lengths, query, batch, k_len)
+    for name, bound in (("key_lengths", key_lengths), ("key_starts", key_starts)):
+        if bound is not None:
+            _check_integers(name, bound, query, (batch,), "(batch,)")
+            if batch and (bound.min() < 0 or bound.max() > k_len):
+                raise ValueError(f"{name} must lie in [0, k_len={k_len}], got {bound.tolist()}")
+    if document_ids is not None:
+        _check_integers(
+            "document_ids", document_ids, query, (batch, k_len), "(batch, k_len)"
+        )  # fmt: skip
+        if q_len > k_len:
+            raise ValueError(
+                f"document_ids needs q_len <= k_len (query row i is in the document of key "
+                f"k_len - q_len + i), got q_len={q_len}, k_len={k_len}"
+            )
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, int | float)
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    if alibi_slopes is not None:
+        shapes = ((heads,), (batch, heads))
+        _check_floats("alibi_slopes", alibi_slopes, query, shapes, "(heads,) or (batch, heads)")
+    if sinks is not None:
+        _check_floats("sinks", sinks, query, ((heads,),), "(heads,)")
+    if block_mask is not None:
+        _check_block_mask(block_mask, query, (batch, heads, q_len, k_len))
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     elif (
@@ -131,22 +163,50 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
         )
 
 
-def _check_key_lengths(key_lengths: Tensor, query: Tensor, batch: int, k_len: int) -> None:
-    if not isinstance(key_lengths, Tensor):
+def _check_block_mask(block_mask, query: Tensor, full: tuple[int, int, int, int]) -> None:
+    from octlm.attention.block_masks import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
         raise TypeError(
-            f"key_lengths must be a torch.Tensor or None, got {type(key_lengths).__name__}"
+            f"block_mask must be a BlockMask (octlm.attention.block_masks) or None, got "
+            f"{type(block_mask).__name__}"
         )
-    if (
-        key_lengths.is_floating_point()
-        or key_lengths.is_complex()
-        or key_lengths.dtype == torch.bool
-    ):
-        raise TypeError(f"key_lengths must be an integer tensor, got {key_lengths.dtype}")
-    if key_lengths.shape != (batch,):
+    built = (block_mask.batch, block_mask.heads, block_mask.q_len, block_mask.k_len)
+    if built != full:
         raise ValueError(
-            f"key_lengths must have shape (batch,) = ({batch},), got {tuple(key_lengths.shape)}"
+            f"block_mask was built for (batch, heads, q_len, k_len) = {built}, but the call "
+            f"has {full}"
         )
-    if key_lengths.device != query.device:
-        raise ValueError(f"key_lengths is on {key_lengths.device} but query is on {query.device}")
-    if batch and (key_lengths.min() < 0 or key_lengths.max() > k_len):
-        raise ValueError(f"key_lengths must lie in [0, k_len={k_len}], got {key_lengths.tolist()}")
+    if block_mask.state.device != query.device:
+        raise ValueError(
+            f"block_mask was built on {block_mask.state.device} but query is on {query.device}"
+        )
+
+
+def _check_floats(
+    name: str, tensor: Tensor, query: Tensor, shapes: tuple[tuple[int, ...], ...], names: str
+) -> None:
+    """A floating-point tensor of one of ``shapes`` on the query's device."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if tuple(tensor.shape) not in shapes:
+        shown = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {names} = {shown}, got {tuple(tensor.shape)}")
+    if tensor.device != query.device:
+        raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}")
+
+
+def _check_integers(
+    name: str, tensor: Tensor, query: Tensor, shape: tuple[int, ...], names: str
+) -> None:
+    """An integer tensor of exactly ``shape`` on the query's device."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {tensor.dtype}")
+    if tensor.shape != shape:
+        raise ValueError(f"{name} must have shape {names} = {shape}, got {tuple(tensor.shape)}")
+    if tensor.device != query.device:
+        raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}")

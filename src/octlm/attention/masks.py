@@ -1,9 +1,11 @@
-"""The structural rules of docs/design.md §2: bottom-right causal alignment and the sliding window.
+"""The structural rules of docs/design.md §2: bottom-right causal alignment, the sliding window,
+padding and packed documents.
 
 Query row ``i`` sits at key position ``past + i``; it may see key ``j`` iff ``j <= past + i``
 (when causal) and ``past + i - j < window`` (when ``window > 0``). ``past`` is
 ``k_len - q_len`` for a single call, and any offset at all when a caller attends one chunk of
-queries to one chunk of keys (the context-parallel ring does).
+queries to one chunk of keys (the context-parallel ring does). Padding hides keys outside
+``[key_starts[b], key_lengths[b])``; documents hide keys of another document than the row's.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ def attention_mask(length: int, past: int = 0, window: int = 0, device=None) -> 
     return allowed(range(length), range(past + length), past, True, window, device)
 
 
-def key_range(rows: range, k_len: int, past: int, causal: bool, window: int) -> range:
-    """Keys that any of ``rows`` may see; everything outside is skipped whole."""
-    low, high = 0, k_len
+def key_range(
+    rows: range, k_len: int, past: int, causal: bool, window: int, first: int = 0
+) -> range:
+    """Keys that any of ``rows`` may see, none before ``first``; everything outside is skipped
+    whole."""
+    low, high = first, k_len
     if causal:
         high = min(high, past + rows.stop)  # last row sees up to past + rows.stop - 1
     if window:
@@ -63,19 +68,32 @@ def dense_mask(
     mask: Tensor | None,
     device=None,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    block_mask=None,
 ) -> Tensor | None:
     """The structural rules and a user ``mask`` as one dense mask, for kernels that need one.
 
     ``None`` when nothing is hidden; bool (True = may attend) when ``mask`` is bool or absent;
-    a float mask with ``-inf`` at hidden places when ``mask`` is float. ``key_lengths``
-    (batch,) hides keys at and after each batch element's length.
+    a float mask with ``-inf`` at hidden places when ``mask`` is float. ``key_lengths`` and
+    ``key_starts`` (batch,) hide keys outside ``[start, length)``; ``document_ids`` (batch,
+    k_len) hide keys of other documents than the row's (row ``i`` is in the document of key
+    ``k_len - q_len + i``); a ``block_mask`` (:mod:`octlm.attention.block_masks`) adds its
+    pattern.
     """
     structural = None
     if causal or window:
         structural = allowed(range(q_len), range(k_len), k_len - q_len, causal, window, device)
-    if key_lengths is not None:
-        present = padding_mask(key_lengths, range(k_len))  # (B, 1, 1, K)
+    if key_lengths is not None or key_starts is not None:
+        present = padding_mask(key_lengths, range(k_len), key_starts)  # (B, 1, 1, K)
         structural = present if structural is None else structural & present
+    if document_ids is not None:
+        rows = document_ids[:, k_len - q_len :]  # (B, Q)
+        same = (rows[:, :, None] == document_ids[:, None, :]).unsqueeze(1)  # (B, 1, Q, K)
+        structural = same if structural is None else structural & same
+    if block_mask is not None:
+        pattern = block_mask.dense(device)  # (b, h, Q, K)
+        structural = pattern if structural is None else structural & pattern
     if mask is None:
         return structural
     if structural is None:
@@ -85,12 +103,37 @@ def dense_mask(
     return torch.where(structural, mask, float("-inf"))
 
 
+def distance(rows: range, columns: range, past: int, dtype=None, device=None) -> Tensor:
+    """``|past + i - j|`` as ``(len(rows), len(columns))``: how far key ``j`` lies from query
+    row ``i``, which ALiBi's bias ``-slope * distance`` penalises."""
+    position = past + torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)  # (R, 1)
+    column = torch.arange(columns.start, columns.stop, device=device).unsqueeze(0)  # (1, C)
+    return (position - column).abs().to(dtype)
+
+
+def alibi_bias(slopes: Tensor, q_len: int, k_len: int) -> Tensor:
+    """ALiBi's dense bias ``-slope * |k_len - q_len + i - j|``, ``(B|1, H, Q, K)``, for the
+    implementations that add it to the whole score matrix."""
+    slopes = slopes.view(-1, slopes.shape[-1], 1, 1)  # (B|1, H, 1, 1)
+    far = distance(range(q_len), range(k_len), k_len - q_len, slopes.dtype, slopes.device)
+    return -slopes * far  # (B|1, H, Q, K)
+
+
 def as_4d(mask: Tensor) -> Tensor:
     """A mask broadcastable to ``(B, H, Q, K)`` as a 4-D view, leading dims of size 1."""
     return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
-def padding_mask(key_lengths: Tensor, columns: range) -> Tensor:
-    """Bool ``(B, 1, 1, len(columns))``: True where the key is inside its batch's length."""
-    column = torch.arange(columns.start, columns.stop, device=key_lengths.device)
-    return (column < key_lengths[:, None])[:, None, None, :]
+def padding_mask(
+    key_lengths: Tensor | None, columns: range, key_starts: Tensor | None = None
+) -> Tensor:
+    """Bool ``(B, 1, 1, len(columns))``: True where the key lies in ``[key_starts[b],
+    key_lengths[b])``, its batch element's keys (either bound may be ``None``)."""
+    bound = key_lengths if key_lengths is not None else key_starts
+    column = torch.arange(columns.start, columns.stop, device=bound.device)  # (C,)
+    present = torch.ones(bound.shape[0], len(columns), dtype=torch.bool, device=bound.device)
+    if key_lengths is not None:
+        present &= column < key_lengths[:, None]
+    if key_starts is not None:
+        present &= column >= key_starts[:, None]
+    return present[:, None, None, :]

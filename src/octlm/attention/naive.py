@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from octlm.attention.inputs import check_inputs
-from octlm.attention.masks import dense_mask
+from octlm.attention.masks import alibi_bias, dense_mask
 
 NEG_INF = float("-inf")
 
@@ -28,19 +28,36 @@ def naive_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask=None,
 ) -> Tensor:
     """Attention by the definition. Shapes and rules as :func:`octlm.attention.tiled_attention`.
 
-    Returns ``(batch, heads, q_len, head_size)`` in the input dtype.
+    The score modifiers act on the whole score matrix: ``softcap`` bounds the scaled scores,
+    ``alibi_slopes`` adds ALiBi's bias, ``sinks`` join each row's softmax as one more logit per
+    head. Returns ``(batch, heads, q_len, head_size)`` in the input dtype.
     """
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p, key_lengths=key_lengths,
+        dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
+        document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        block_mask=block_mask,
     )  # fmt: skip
     key = key.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
     value = value.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
     scores = query @ key.transpose(-2, -1) * shape.scale  # (B, H, Q, K)
-    hidden = dense_mask(shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, shape.q_len, shape.k_len).to(scores.dtype)
+    hidden = dense_mask(
+        shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths, key_starts,
+        document_ids, block_mask,
+    )  # fmt: skip
     if hidden is not None and hidden.dtype == torch.bool:
         scores = scores.masked_fill(~hidden, float("-inf"))
     elif hidden is not None:
@@ -50,7 +67,11 @@ def naive_attention(
     # zero gradient, so give those rows finite scores and zero their weights. NaN counts as
     # seen, so a NaN a row can see makes the row NaN.
     seen = (scores != NEG_INF).any(dim=-1, keepdim=True)  # (B, H, Q, 1)
-    weights = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1).masked_fill(~seen, 0.0)
+    logits = scores.masked_fill(~seen, 0.0)
+    if sinks is not None:  # one more logit per row, whose weight multiplies no value
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        logits = torch.cat([logits, sink], dim=-1)  # (B, H, Q, K + 1)
+    weights = torch.softmax(logits, dim=-1)[..., : shape.k_len].masked_fill(~seen, 0.0)
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p)
     broken = ~value.isfinite()  # (B, H, K, D)

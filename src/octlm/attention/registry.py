@@ -3,7 +3,9 @@
 Callers (the model, verify, the benchmark worker, the tests) look an implementation up here and
 never branch on its name. Every function takes ``(query, key, value, *, causal, window, mask,
 scale, dropout_p, key_lengths)``; ``tuning`` lists the extra keywords one also accepts (the
-tiled ``block`` and ``kernel``), which change speed, never the result beyond rounding.
+tiled ``block`` and ``kernel``), which change speed, never the result beyond rounding, and
+``features`` the extra keywords that change what is computed (packed documents, left padding,
+score modifiers, sinks).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ class Implementation:
     mask_grad: bool  # a float mask that requires grad receives its gradient
     tuning: tuple[str, ...] = ()  # keywords beyond the shared signature
     distributed: bool = False  # a collective over a process group: no mask or key_lengths
+    features: tuple[str, ...] = ()  # keywords beyond the shared signature that change the result
 
+
+# docs/design.md §2: the structure and score keywords naive, sdpa and tiled all take.
+FEATURES = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks", "block_mask")
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
@@ -39,6 +45,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
             "the reference: whole score matrix, O(Q*K) memory",
             dropout=True,
             mask_grad=True,
+            features=FEATURES,
         ),
         Implementation(
             "sdpa",
@@ -46,6 +53,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
             "PyTorch's fused scaled_dot_product_attention",
             dropout=True,
             mask_grad=True,
+            features=FEATURES,
         ),
         Implementation(
             "tiled",
@@ -54,6 +62,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
             dropout=False,
             mask_grad=True,
             tuning=("block", "kernel"),
+            features=FEATURES,
         ),
         Implementation(
             "ring",

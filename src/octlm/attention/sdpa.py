@@ -7,11 +7,12 @@ goes in as one explicit mask. Never both.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from octlm.attention.inputs import check_inputs
-from octlm.attention.masks import as_4d, dense_mask, padding_mask
+from octlm.attention.masks import alibi_bias, as_4d, dense_mask, padding_mask
 
 
 def sdpa_attention(
@@ -25,23 +26,48 @@ def sdpa_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask=None,
 ) -> Tensor:
-    """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``."""
+    """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``.
+
+    SDPA knows none of the score modifiers, so they enter densely: ALiBi and the softcap
+    (``capped - raw`` scores) as a float mask, each sink as one more key of zeros whose mask
+    entry is the sink's logit.
+    """
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p, key_lengths=key_lengths,
+        dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
+        document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        block_mask=block_mask,
     )  # fmt: skip
-    plain = mask is None and key_lengths is None and window == 0 and (not causal or shape.past == 0)
+    padded = key_lengths is not None or key_starts is not None
+    structured = mask is not None or padded or window > 0
+    structured = structured or document_ids is not None or block_mask is not None
+    modified = softcap is not None or alibi_slopes is not None or sinks is not None
+    plain = not structured and not modified and (not causal or shape.past == 0)
     attn_mask = None
-    if key_lengths is not None:
+    if padded:
         # No row sees a padded key, so its contents must not matter; SDPA's kernels multiply
         # zero weights by it, and 0 x NaN is NaN. Zero the padding instead.
-        present = padding_mask(key_lengths, range(shape.k_len)).transpose(-2, -1)  # (B,1,K,1)
+        present = padding_mask(key_lengths, range(shape.k_len), key_starts)  # (B, 1, 1, K)
+        present = present.transpose(-2, -1)  # (B, 1, K, 1)
         key, value = key.masked_fill(~present, 0.0), value.masked_fill(~present, 0.0)
     if not plain:
-        attn_mask = as_4d(
-            dense_mask(shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths)
-        )  # SDPA wants at least 2-D
+        attn_mask = dense_mask(
+            shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths,
+            key_starts, document_ids, block_mask,
+        )  # fmt: skip
+        bias = _score_bias(query, key, shape, softcap, alibi_slopes)  # (B|1, H, Q, K) or None
+        if bias is not None:
+            attn_mask = bias if attn_mask is None else _hide(bias, attn_mask)
+        if sinks is not None:
+            key, value, attn_mask = _with_sinks(key, value, attn_mask, sinks, shape)
+        attn_mask = as_4d(attn_mask)  # SDPA wants at least 2-D
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(query.dtype)  # SDPA wants the query's dtype
     return F.scaled_dot_product_attention(
@@ -54,3 +80,41 @@ def sdpa_attention(
         scale=shape.scale,
         enable_gqa=shape.kv_heads != shape.heads,
     )
+
+
+def _score_bias(query, key, shape, softcap, alibi_slopes) -> Tensor | None:
+    """What the modifiers add to SDPA's scaled scores, as one dense float mask."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    bias = None
+    if softcap is not None:  # SDPA forms the raw scores; the mask adds what the cap takes off
+        key = key.to(dtype).repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
+        raw = query.to(dtype) @ key.transpose(-2, -1) * shape.scale  # (B, H, Q, K)
+        bias = softcap * torch.tanh(raw / softcap) - raw
+    if alibi_slopes is not None:
+        alibi = alibi_bias(alibi_slopes.to(dtype), shape.q_len, shape.k_len)  # (B|1, H, Q, K)
+        bias = alibi if bias is None else bias + alibi
+    return bias
+
+
+def _hide(bias: Tensor, mask: Tensor) -> Tensor:
+    """``bias`` plus a float mask, or with a bool mask's hidden places at ``-inf``."""
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask
+
+
+def _with_sinks(key, value, attn_mask, sinks, shape) -> tuple[Tensor, Tensor, Tensor]:
+    """Each sink as one more key and value of zeros, seen by every row with the sink's logit
+    as its mask entry: its score is ``0 + sink`` and its value adds nothing."""
+    zeros = key.new_zeros(*key.shape[:2], 1, key.shape[3])  # (B, Hkv, 1, D)
+    key, value = torch.cat([key, zeros], dim=2), torch.cat([value, zeros], dim=2)
+    if attn_mask is None:
+        attn_mask = torch.zeros(shape.q_len, shape.k_len, dtype=sinks.dtype, device=sinks.device)
+    elif attn_mask.dtype == torch.bool:
+        hidden = ~attn_mask
+        attn_mask = torch.zeros(hidden.shape, dtype=sinks.dtype, device=sinks.device)
+        attn_mask = attn_mask.masked_fill(hidden, float("-inf"))
+    batch, heads = as_4d(attn_mask).shape[0], shape.heads
+    full = as_4d(attn_mask).expand(batch, heads, shape.q_len, shape.k_len)  # (b, H, Q, K)
+    sink = sinks.view(1, heads, 1, 1).expand(batch, heads, shape.q_len, 1).to(full.dtype)
+    return key, value, torch.cat([full, sink], dim=-1)  # (b, H, Q, K + 1)

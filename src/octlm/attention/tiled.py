@@ -4,8 +4,8 @@ FlashAttention's blocking in plain PyTorch, the Day 2 note's sketch grown up: ex
 with O(T) memory on any device PyTorch runs on, differentiable through its own recomputing
 backward (FlashAttention-2). The forward saves only query, key, value, output and two numbers
 per query row (the shift and the sum of the online softmax, from which the log-sum-exp
-follows), plus the caller's own mask or key lengths; the backward recomputes each block's
-probabilities from them. For CUDA tensors ``kernel="auto"`` takes the Triton kernel instead.
+follows), plus the caller's own mask, key bounds or document ids; the backward recomputes each
+block's probabilities from them. For CUDA tensors ``kernel="auto"`` takes the Triton kernel instead.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from octlm.attention.blocks import (
     attend_backward,
     forward_rows,
     parse_block,
+    sink_gradient,
     unfold_heads,
 )
 from octlm.attention.inputs import check_inputs
@@ -29,10 +30,21 @@ class _TiledAttention(torch.autograd.Function):
     and sum of the online softmax (docs/design.md §7)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, key_lengths, options):
-        out, rows = forward_rows(query, key, value, mask=mask, key_lengths=key_lengths, **options)
+    def forward(
+        ctx, query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
+        options,
+    ):  # fmt: skip
+        structure = dict(key_lengths=key_lengths, key_starts=key_starts)
+        structure["documents"] = _documents(document_ids, options["past"])
+        out, rows = forward_rows(
+            query, key, value, mask=mask, alibi_slopes=alibi_slopes, sinks=sinks, **structure,
+            **options,
+        )  # fmt: skip
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, mask, key_lengths)
+        ctx.save_for_backward(
+            query, key, value, out, rows.shift, rows.total, mask, key_lengths, key_starts,
+            document_ids, alibi_slopes, sinks,
+        )  # fmt: skip
         ctx.options, ctx.units, ctx.careful = options, rows.units, rows.careful
         lse = rows.lse()
         ctx.mark_non_differentiable(lse)
@@ -40,21 +52,38 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        query, key, value, out, shift, total, mask, key_lengths = ctx.saved_tensors
+        (
+            query, key, value, out, shift, total, mask, key_lengths, key_starts, document_ids,
+            alibi_slopes, sinks,
+        ) = ctx.saved_tensors  # fmt: skip
         delta = (grad_out.to(shift.dtype) * out.to(shift.dtype)).sum(dim=-1)  # (B, H, Q)
         grad_mask = None
         if mask is not None and ctx.needs_input_grad[3]:
             batch, heads, q_len, _ = query.shape
             kv_heads, k_len = key.shape[1], key.shape[2]
             grad_mask = shift.new_zeros(batch, kv_heads, q_len, heads // kv_heads, k_len)
+        grad_alibi = None
+        if alibi_slopes is not None and ctx.needs_input_grad[7]:
+            grad_alibi = shift.new_zeros(
+                query.shape[0], key.shape[1], query.shape[1] // key.shape[1]
+            )
         rows = RowStats(shift, total, ctx.units, ctx.careful)
         grad_query, grad_key, grad_value = attend_backward(
             query, key, value, grad_out, rows, delta, mask=mask, key_lengths=key_lengths,
-            grad_mask=grad_mask, **ctx.options,
+            key_starts=key_starts, documents=_documents(document_ids, ctx.options["past"]),
+            grad_mask=grad_mask, alibi_slopes=alibi_slopes, grad_alibi=grad_alibi,
+            **ctx.options,
         )  # fmt: skip
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
+        if grad_alibi is not None:  # (B, Hkv, G) -> the slopes' (H,) or (B, H)
+            full = alibi_slopes.view(-1, query.shape[1]).shape  # (1 or B, H)
+            grad_alibi = grad_alibi.flatten(1).sum_to_size(full).view(alibi_slopes.shape)
+            grad_alibi = grad_alibi.to(alibi_slopes.dtype)
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[8]:
+            grad_sinks = sink_gradient(rows, sinks, delta).to(sinks.dtype)
         return (
             grad_query.to(query.dtype),
             grad_key.to(key.dtype),
@@ -62,7 +91,16 @@ class _TiledAttention(torch.autograd.Function):
             grad_mask,
             None,
             None,
+            None,
+            grad_alibi,
+            grad_sinks,
+            None,
         )
+
+
+def _documents(document_ids: Tensor | None, past: int) -> tuple[Tensor, Tensor] | None:
+    """Query and key document ids: row ``i`` is in the document of key ``past + i``."""
+    return None if document_ids is None else (document_ids[:, past:], document_ids)
 
 
 def tiled_attention(
@@ -76,6 +114,12 @@ def tiled_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask=None,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     return_lse: bool = False,
     kernel: str = "auto",
@@ -97,12 +141,32 @@ def tiled_attention(
         dropout_p: must be 0; the tiled path has no attention dropout (use naive or sdpa).
         key_lengths: int ``(batch,)``: keys at and after ``key_lengths[b]`` are padding.
             Blocks past the longest length are skipped whole.
+        key_starts: int ``(batch,)``: keys before ``key_starts[b]`` are padding (left
+            padding). Blocks before the earliest start are skipped whole.
+        document_ids: int ``(batch, k_len)``, the document of each key (packed sequences).
+            Query row ``i`` is in the document of key ``k_len - q_len + i`` (so ``q_len <=
+            k_len``) and sees only keys of its own document. Block pairs that share no
+            document are skipped; blocks inside one document get no document mask. Ids need
+            not be sorted, but runs of equal ids are what makes blocks skippable.
+        softcap: if given, scaled scores ``s`` become ``softcap * tanh(s / softcap)`` (as
+            Gemma 2), before any mask or bias is added; per tile, in forward and backward.
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)``: adds ALiBi's bias
+            ``-slope * |k_len - q_len + i - j|`` to each score, per tile (never a ``q_len x
+            k_len`` tensor). Slopes that require grad receive their gradient.
+        sinks: ``(heads,)``: one learnable logit per head that joins every row's softmax
+            denominator and carries no value (attention sinks); receives its gradient. A row
+            that sees no key still returns zeros; its log-sum-exp is the sink's.
+        block_mask: a :class:`~octlm.attention.block_masks.BlockMask` (any pattern, built
+            once by ``block_mask(mask_mod, ...)``), ANDed with the other rules. Its empty
+            blocks are skipped and its full ones get no mask; its blocks are the tiles
+            (``block`` is not used then).
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
-            picks its own tiles) for CUDA tensors when Triton is installed, no ``mask`` or
+            picks its own tiles) for CUDA tensors when Triton is installed, no ``mask``,
             ``key_lengths`` is given, the dtype is not float64 and ``head_size <= 256``; the
-            plain-PyTorch blocks otherwise. ``"pytorch"`` or ``"triton"`` force one.
+            plain-PyTorch blocks otherwise (always for :data:`PYTORCH_ONLY` arguments).
+            ``"pytorch"`` or ``"triton"`` force one.
 
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
@@ -110,7 +174,18 @@ def tiled_attention(
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     block = parse_block(block)  # checked on every path, used by the PyTorch one
-    if kernel == "triton" or (kernel == "auto" and _triton_fits(query, mask, key_lengths)):
+    given = dict(
+        key_starts=key_starts, document_ids=document_ids, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
+    )  # fmt: skip
+    pytorch_only = [name for name in PYTORCH_ONLY if given[name] is not None]
+    if kernel == "triton" and pytorch_only:
+        raise ValueError(
+            f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
+        )
+    if kernel == "triton" or (
+        kernel == "auto" and not pytorch_only and _triton_fits(query, mask, key_lengths)
+    ):
         from octlm.attention.triton_flash import triton_attention
 
         return triton_attention(
@@ -120,13 +195,23 @@ def tiled_attention(
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
         dropout_p=dropout_p, dropout_supported=False, key_lengths=key_lengths,
+        key_starts=key_starts, document_ids=document_ids, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
     )  # fmt: skip
-    options = dict(past=shape.past, causal=causal, window=window, scale=shape.scale, block=block)
-    out, lse = _TiledAttention.apply(query, key, value, mask, key_lengths, options)
+    options = dict(
+        past=shape.past, causal=causal, window=window, scale=shape.scale, block=block,
+        softcap=softcap, block_mask=block_mask,
+    )  # fmt: skip
+    out, lse = _TiledAttention.apply(
+        query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
+        options,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 KERNELS = ("auto", "pytorch", "triton")
+# Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
+PYTORCH_ONLY = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks", "block_mask")
 
 
 def _triton_fits(query: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> bool:

@@ -1,0 +1,138 @@
+"""Score modifiers (``softcap``, ``alibi_slopes``) and learnable attention ``sinks`` in every
+single-process implementation, forward and backward, against the independent float64 reference.
+
+Outputs are judged by docs/design.md §4 with factor 2, gradients (including those of the ALiBi
+slopes and the sinks) with factor 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octlm.attention import IMPLEMENTATIONS, naive_attention, tiled_attention
+from tests.helpers import assert_judged, make_qkv, reference
+
+
+def tiled(block):
+    return lambda *args, **kw: tiled_attention(*args, block=block, **kw)
+
+
+# Every registered implementation that takes the keyword, tiled with small blocks.
+SINGLE_PROCESS = {
+    name: tiled((16, 32)) if "block" in impl.tuning else impl.function
+    for name, impl in IMPLEMENTATIONS.items()
+    if "sinks" in impl.features
+}
+BLOCKS = [1, 16, 64, (16, 64), (100, 7), (512, 256)]
+HEADS = 4
+
+
+def slopes(batch=None):
+    """ALiBi's geometric slopes, 2^(-8 h / heads), per head or per batch row and head."""
+    per_head = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1) / HEADS)
+    return per_head if batch is None else per_head * torch.tensor([1.0, 0.5])[:batch, None]
+
+
+MODIFIERS = {
+    "softcap": lambda: dict(softcap=2.0),
+    "softcap loose": lambda: dict(softcap=30.0),
+    "alibi": lambda: dict(alibi_slopes=slopes()),
+    "alibi per row": lambda: dict(alibi_slopes=slopes(batch=2)),
+    "sinks": lambda: dict(sinks=torch.tensor([-1.0, 0.0, 2.0, 8.0])),
+    "all": lambda: dict(softcap=5.0, alibi_slopes=slopes(), sinks=torch.tensor([0.5] * HEADS)),
+}
+
+
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+@pytest.mark.parametrize("modifier", MODIFIERS)
+@pytest.mark.parametrize("q_len, k_len", [(70, 70), (23, 90)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_modifiers_match_reference(name, modifier, q_len, k_len, causal):
+    query, key, value = make_qkv(heads=HEADS, q_len=q_len, k_len=k_len)
+    query = query * 3  # scores of a few units, so the cap and the sinks matter
+    options = dict(MODIFIERS[modifier](), causal=causal, window=0)
+    tested = SINGLE_PROCESS[name](query, key, value, **options)
+    golden = reference(query, key, value, **options)
+    assert_judged(tested, naive_attention(query, key, value, **options), golden)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("modifier", MODIFIERS)
+def test_tiled_modifiers_and_lse_for_any_block_in_float64(block, modifier):
+    query, key, value = make_qkv(heads=HEADS, q_len=50, k_len=80, dtype=torch.float64)
+    options = dict(MODIFIERS[modifier](), window=30)
+    out, lse = tiled_attention(query * 3, key, value, block=block, return_lse=True, **options)
+    golden, golden_lse = reference(query * 3, key, value, return_lse=True, **options)
+    assert (out - golden).abs().max() < 1e-12 and (lse - golden_lse).abs().max() < 1e-12
+
+
+def gradients(function, tensors, grad_out, **options):
+    """Gradients of every tensor input (query, key, value and any modifier tensor)."""
+    tensors = {name: x.detach().clone().requires_grad_() for name, x in tensors.items()}
+    q, k, v = (tensors.pop(n) for n in "qkv")
+    function(q, k, v, **tensors, **options).backward(grad_out.to(q.dtype))
+    return {"q": q.grad, "k": k.grad, "v": v.grad} | {n: x.grad for n, x in tensors.items()}
+
+
+# Each implementation once, and tiled also with tiny and with default blocks.
+GRADIENT_CASES = [(name, SINGLE_PROCESS[name]) for name in SINGLE_PROCESS] + [
+    ("tiled (7, 5)", tiled((7, 5))),
+    ("tiled (512, 256)", tiled((512, 256))),
+]
+
+
+@pytest.mark.parametrize("name, function", GRADIENT_CASES, ids=[c[0] for c in GRADIENT_CASES])
+@pytest.mark.parametrize("modifier", MODIFIERS)
+def test_gradients_match_reference(name, function, modifier):
+    query, key, value = make_qkv(heads=HEADS, q_len=40, k_len=60)
+    options = MODIFIERS[modifier]()
+    softcap = options.pop("softcap", None)
+    # Scores of a few units: for larger ones every recomputing backward's error outgrows the
+    # plain method's (docs/design.md §7); exactness itself is checked in float64 below.
+    tensors = dict(q=query * 2, k=key, v=value, **options)
+    grad_out = torch.randn(query.shape, dtype=torch.float64)
+    tested = gradients(function, tensors, grad_out, softcap=softcap)
+    base = gradients(naive_attention, tensors, grad_out, softcap=softcap)
+    doubled = {n: x.double() for n, x in tensors.items()}
+    golden = gradients(reference, doubled, grad_out, softcap=softcap)
+    for part in tested:
+        assert tested[part] is not None, f"no gradient for {part}"
+        assert_judged(tested[part], base[part], golden[part], factor=3.0)
+
+
+@pytest.mark.parametrize("modifier", MODIFIERS)
+@pytest.mark.parametrize("block", [(7, 5), (64, 64)], ids=str)
+def test_tiled_gradients_are_exact_in_float64(modifier, block):
+    query, key, value = make_qkv(heads=HEADS, q_len=40, k_len=60, dtype=torch.float64)
+    options = MODIFIERS[modifier]()
+    softcap = options.pop("softcap", None)
+    tensors = dict(q=query * 3, k=key, v=value, **{n: x.double() for n, x in options.items()})
+    grad_out = torch.randn(query.shape, dtype=torch.float64)
+    tested = gradients(tiled(block), tensors, grad_out, softcap=softcap, window=25)
+    golden = gradients(reference, tensors, grad_out, softcap=softcap, window=25)
+    for part in golden:
+        assert (tested[part] - golden[part]).abs().max() < 1e-10, part
+
+
+def test_sink_takes_mass_and_gives_no_value():
+    """A sink far above every score takes all the mass: the output goes to zero; a sink far
+    below takes none: the output is plain attention. A row that sees no key stays zero."""
+    query, key, value = make_qkv(heads=HEADS, q_len=30, dtype=torch.float64)
+    plain = tiled_attention(query, key, value, block=8)
+    low = tiled_attention(query, key, value, block=8, sinks=torch.full((HEADS,), -1e3))
+    high = tiled_attention(query, key, value, block=8, sinks=torch.full((HEADS,), 1e3))
+    assert (low - plain).abs().max() < 1e-12 and high.abs().max() < 1e-12
+    out = tiled_attention(
+        query, key, value, block=8, sinks=torch.zeros(HEADS), key_starts=torch.tensor([5, 0])
+    )  # fmt: skip
+    assert not out[0, :, :5].any()
+
+
+def test_softcap_bounds_extreme_scores():
+    """With a cap, scores of 1e4 become at most the cap: the result stays exact."""
+    query, key, value = make_qkv(heads=HEADS, q_len=64, dtype=torch.float64)
+    for block in [(8, 8), (64, 64)]:
+        out = tiled_attention(query * 1e3, key, value, block=block, softcap=20.0)
+        golden = reference(query * 1e3, key, value, softcap=20.0)
+        assert (out - golden).abs().max() < 1e-12
