@@ -119,15 +119,17 @@ def timing(seconds: Sequence[float]) -> dict:
 
 
 def check_writable(path: str | os.PathLike, option: str) -> Path:
-    """Make ``path``'s folder and open it for appending, or raise ``ValueError`` naming
-    ``option``: before the first measurement, not after it."""
+    """Make ``path``'s folder and check that ``path`` can be written, or raise ``ValueError``
+    naming ``option``: before the first measurement, not after it."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("ab"):
-            pass
     except OSError as error:
         raise ValueError(f"{option} {str(path)!r} cannot be written: {error.strerror}") from None
+    if path.is_dir():
+        raise ValueError(f"{option} {str(path)!r} cannot be written: it is a folder")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise ValueError(f"{option} {str(path)!r} cannot be written: permission denied")
     return path
 
 

@@ -149,9 +149,9 @@ def _bf16(rows: list[dict]) -> str:
         if found is None:
             parts.append(f"{name} {NOT_MEASURED}")
             continue
-        ratio, length = found
-        verdict = "slower" if ratio > 1 else "faster"
-        parts.append(f"{name}: {ratio(ratio)} the float32 time at {length:,} ({verdict})")
+        times, length = found
+        verdict = "slower" if times > 1 else "faster"
+        parts.append(f"{name}: {ratio(times)} the float32 time at {length:,} ({verdict})")
     return "; ".join(parts)
 
 

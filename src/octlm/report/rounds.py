@@ -84,22 +84,34 @@ def _flagged(pairs_: list[tuple[dict, dict]]) -> str:
     return f"{count} of {len(pairs_)}" if count else "none"
 
 
+def longest(found_pairs: dict[tuple, list], field: str) -> list[tuple[dict, str, list]]:
+    """``(shape, varied value, pairs)`` at the longest length of each series, idle only, in
+    a reading order: device, mode, dtype, structure, backend."""
+    kept: dict[tuple, tuple[dict, str, list]] = {}
+    for (rest, value), pairs_ in found_pairs.items():
+        shape = _shape(rest, field)
+        if shape["busy"]:
+            continue
+        square = shape["q_len"] in (None, shape["length"])
+        series = (*(shape[f] for f in FIELDS if f not in (field, "length", "q_len")), value)
+        series += ("square" if square else shape["q_len"],)
+        if series not in kept or kept[series][0]["length"] < shape["length"]:
+            kept[series] = (shape, value, pairs_)
+    return [kept[series] for series in sorted(kept, key=str)]
+
+
 def section(found: Collected) -> list[str]:
     """Peaks, per-round ratios to FLASH and between dtypes, and the contention table."""
     lines = _peaks(found)
-    to_flash = pairs(found, "backend", "flash")
     body = []
-    for (rest, backend), found_pairs in to_flash.items():
-        shape = _shape(rest, "backend")
-        if shape["busy"]:
-            continue
+    for shape, backend, found_pairs in longest(pairs(found, "backend", "flash"), "backend"):
         ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
         tops, bottoms = zip(*found_pairs, strict=True)
         body.append([
             f"{shape['device']} {_describe(shape)}", f"{backend} ÷ FLASH", spread(ratios),
             _of_peak(found, list(tops)), _of_peak(found, list(bottoms)), _flagged(found_pairs),
         ])  # fmt: skip
-    lines += ["### Time ratios within a round", ""]
+    lines += ["### Time ratios within a round (longest length of each series)", ""]
     if body:
         header = ["Shape", "Ratio", "Median (min–max, rounds)", "% of peak", "FLASH % of peak"]
         lines += table([*header, "Rounds on a busy machine"], body)
@@ -128,10 +140,7 @@ def _peaks(found: Collected) -> list[str]:
 
 def _dtypes(found: Collected) -> list[str]:
     body = []
-    for (rest, dtype), found_pairs in pairs(found, "dtype", "float32").items():
-        shape = _shape(rest, "dtype")
-        if shape["busy"]:
-            continue
+    for shape, dtype, found_pairs in longest(pairs(found, "dtype", "float32"), "dtype"):
         ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
         where = _describe({**shape, "dtype": dtype}).replace(f" {dtype}", "")
         body.append([
@@ -141,7 +150,11 @@ def _dtypes(found: Collected) -> list[str]:
     if not body:
         return []
     header = ["Backend and shape", "Ratio", "Median (min–max, rounds)", "Rounds on a busy machine"]
-    return ["### Lower precision against float32, within a round", "", *table(header, body)]
+    return [
+        "### Lower precision against float32, within a round (longest length)",
+        "",
+        *table(header, body),
+    ]
 
 
 def _contention(found: Collected) -> list[str]:
