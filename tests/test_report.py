@@ -75,7 +75,7 @@ def test_missing_data_reads_not_measured(tmp_path):
         "".join(json.dumps(r) + "\n" for r in lines if r.get("backend") == "flash")
     )
     rows = load([only_flash])
-    table = {claim: here for claim, _seed, here in claims(rows)}
+    table = {claim: here for claim, _note, here in claims(rows)}
     assert table["MATH memory per doubling of length"] == NOT_MEASURED
     assert table["FLASH memory stays flat"].endswith("at 8,192 (1.59× per doubling)")
     assert table["memory-efficient backend on CPU"] == NOT_MEASURED
@@ -89,7 +89,7 @@ def test_report_without_any_records_says_so_plainly(tmp_path):
     text = write_report([empty], tmp_path / "report.md").read_text()
     assert f"No records in `{empty}`: nothing was measured, so this report has no figures." in text
     assert "## " not in text  # no section of empty tables
-    assert all(here == NOT_MEASURED or NOT_MEASURED in here for _c, _s, here in claims([]))
+    assert all(here == NOT_MEASURED or NOT_MEASURED in here for _c, _note, here in claims([]))
 
 
 def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):

@@ -150,7 +150,7 @@ def _greedy(
 
 
 def training(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
-    """The same seed, weights and batches give the same float32 loss curve through every
+    """The same RNG seed, weights and batches give the same float32 loss curve through every
     attention. ``train`` runs on the CPU, whatever ``device`` is."""
     config = ModelConfig(**plan.model, n_kv_heads=2, attention="naive")
     case = replace(_model_case(plan, config, plan.train_length), batch=plan.train_batch)
