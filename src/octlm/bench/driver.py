@@ -153,8 +153,8 @@ def _alternate(measurements: list[Measurement], round: int) -> list[Measurement]
     """``measurements`` in grid order; in even rounds the backends of each shape reversed."""
     if round % 2:
         return list(measurements)
-    shape = lambda m: replace(m, backend="", block=None)  # noqa: E731
-    return [m for _, group in itertools.groupby(measurements, shape) for m in [*group][::-1]]
+    groups = itertools.groupby(measurements, lambda m: replace(m, backend="", block=None))
+    return [m for _, group in groups for m in [*group][::-1]]
 
 
 def recorded(output: str | os.PathLike) -> set[tuple]:

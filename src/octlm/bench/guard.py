@@ -24,7 +24,9 @@ import time
 from collections.abc import Iterator
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 class Stopped(BaseException):

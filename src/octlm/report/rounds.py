@@ -80,8 +80,12 @@ def _of_peak(found: Collected, records: list[dict]) -> str:
 
 
 def _flagged(pairs_: list[tuple[dict, dict]]) -> str:
-    count = sum(1 for top, bottom in pairs_ if busy(top) or busy(bottom))
-    return f"{count} of {len(pairs_)}" if count else "none"
+    """How many rounds ran on a busy machine (records from before load was recorded: unknown)."""
+    told = [pair for pair in pairs_ if all("load_before" in record for record in pair)]
+    if not told:
+        return "not recorded"
+    count = sum(1 for top, bottom in told if busy(top) or busy(bottom))
+    return f"{count} of {len(told)}" if count else "none"
 
 
 def longest(found_pairs: dict[tuple, list], field: str) -> list[tuple[dict, str, list]]:
