@@ -207,6 +207,10 @@ def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):
     assert row + " 1.75× (1.5–2, 2 rounds) | no |" in text
     # busy measurements stay out of the idle tables
     assert "| 8,192 | 400.0 ms, 1 MiB | 600.0 ms, 1 MiB |" in text
+    # an idle baseline taken on a busy machine cannot judge the target
+    found[0] = {**found[0], "load_before": 9.0, "cpus": 2}
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert "| not judged: the idle runs were on a busy machine |" in text
 
 
 def test_a_training_runs_metrics_become_a_table(tmp_path):
