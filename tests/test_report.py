@@ -179,21 +179,23 @@ def test_ratios_come_per_round_with_their_spread_and_fraction_of_peak(tmp_path):
         "| cpu forward float32 8,192 | tiled ÷ FLASH | 1.3× (1.2–1.5, 3 rounds) | 25% | 50% |"
         in text
     )
-    assert "120 GFLOP/s idle over 1 run(s)" in text
+    assert "120 GFLOP/s over 1 run(s)" in text
     # the "every measurement" table shows the median of the rounds: FLASH 0.5, tiled 0.65
     assert "| 8,192 | 500.0 ms, 1 MiB | 650.0 ms, 1 MiB |" in text
 
 
 def test_measurements_on_a_busy_machine_are_flagged(tmp_path):
     found = [
-        timed("flash", 0.5, load_before=4.0, cpus=2),
+        timed("flash", 0.5, load_before=4.0, cpus=2, tflops=0.06),
         timed("tiled", 0.6, cpu_seconds=0.5, wall_seconds=1.0),  # 2 threads: a quarter
         timed("math", 5.0, load_before=1.9, cpus=2, cpu_seconds=1.9, wall_seconds=1.0),
+        records.make("peak", "test", MACHINE, run="r", gflops=40.0, load_before=3.0, cpus=2),
     ]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
     assert "2 of the measurements were taken while the machine was busy (for example load " in text
     assert "| 8,192 | 500.0 ms, 1 MiB † | 5.00 s, 1 MiB | 600.0 ms, 1 MiB † |" in text
-    assert "| tiled ÷ FLASH | 1.2× (1 round) | — | — | 1 of 1 |" in text
+    assert "| tiled ÷ FLASH | 1.2× (1 round) | — | 150% † | 1 of 1 |" in text
+    assert "1 of 1 probe(s) ran busy (load 3.00 on 2 CPUs)" in text
 
 
 def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 from octlm.report.collect import Collected, busy
-from octlm.report.format import NOT_MEASURED, spread, table
+from octlm.report.format import BUSY_MARK, NOT_MEASURED, spread, table
 
 # What makes two measurements of one round comparable: all but the field that varies.
 FIELDS = (
@@ -61,22 +61,24 @@ def _describe(shape: dict) -> str:
     return text
 
 
-def peak_of(found: Collected, record: dict) -> float | None:
-    """GFLOP/s of the matmul probe of ``record``'s run (under the same load), if any."""
+def peak_of(found: Collected, record: dict) -> dict | None:
+    """The matmul probe of ``record``'s run, under the same load (``busy``), if any."""
     for peak in found.peaks:
-        if peak.get("run") == record.get("run") and bool(peak.get("busy")) == bool(
-            record.get("busy")
-        ):
-            return peak["gflops"]
+        same_load = bool(peak.get("busy")) == bool(record.get("busy"))
+        if peak.get("run") == record.get("run") and same_load:
+            return peak
     return None
 
 
 def _of_peak(found: Collected, records: list[dict]) -> str:
-    """Median achieved fraction of the run's matmul peak, by FlashAttention's FLOP count."""
-    fractions = [
-        r["tflops"] * 1e3 / peak for r in records if r.get("tflops") and (peak := peak_of(found, r))
-    ]
-    return f"{statistics.median(fractions):.0%}" if fractions else "—"
+    """Median achieved fraction of the run's matmul peak, by FlashAttention's FLOP count;
+    marked when a probe ran on a busy machine (then above 100% is possible)."""
+    peaks = [(r, peak_of(found, r)) for r in records if r.get("tflops")]
+    fractions = [r["tflops"] * 1e3 / peak["gflops"] for r, peak in peaks if peak]
+    if not fractions:
+        return "—"
+    flagged = any(peak and busy(peak) for _, peak in peaks)
+    return f"{statistics.median(fractions):.0%}" + (f" {BUSY_MARK}" if flagged else "")
 
 
 def _flagged(pairs_: list[tuple[dict, dict]]) -> str:
@@ -134,11 +136,15 @@ def _peaks(found: Collected) -> list[str]:
     text = f"Matrix-multiply peak (float32 `torch.mm`, {size}², median of each run's calls): "
     parts = []
     if idle:
-        parts.append(f"{statistics.median(idle):.0f} GFLOP/s idle over {len(idle)} run(s)")
+        parts.append(f"{statistics.median(idle):.0f} GFLOP/s over {len(idle)} run(s)")
     crowded = [p["gflops"] for p in found.peaks if p.get("busy")]
     if crowded:
         parts.append(f"{statistics.median(crowded):.0f} GFLOP/s beside the competing process")
-    note = " Fractions of peak below use FlashAttention's FLOP count and the same run's probe."
+    note = " Fractions of peak below use FlashAttention's FLOP count and the same run's probe;"
+    note += " a probe taken on a busy machine is marked † (a fraction can then pass 100%)."
+    flagged = [busy(p) for p in found.peaks if busy(p)]
+    if flagged:
+        note += f" {len(flagged)} of {len(found.peaks)} probe(s) ran busy ({flagged[0]})."
     return [text + "; ".join(parts) + "." + note, ""]
 
 
