@@ -23,23 +23,30 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check src tests examples
 	$(PY) -m pytest -q
 
+# Each verify run tags its records with a run id; the report counts only the latest run.
 verify: $(VENV)/.installed
 	$(PY) -m octlm verify --quick --out $(RUNS)
 
 bench: $(VENV)/.installed
-	$(PY) -m octlm bench --output $(RUNS)/bench-seed-cpu.jsonl
+	$(PY) -m octlm bench --suite baseline --output $(RUNS)/bench-baseline-cpu.jsonl
 
+# One round of the baseline grid (backends alternating, one process each) after the matmul
+# probe; --resume keeps what an earlier `make report` measured.
 report: $(VENV)/.installed
 	$(PY) -m octlm verify --quick --out $(RUNS)
-	$(PY) -m octlm bench --resume --output $(RUNS)/bench-seed-cpu.jsonl
+	$(PY) -m octlm bench --suite baseline --resume --output $(RUNS)/bench-baseline-cpu.jsonl
 	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/*.jsonl
 
-# The reference figures README quotes: every CPU suite, about 25 minutes on 2 cores.
+# The reference figures README quotes: every CPU suite, the baseline and training grids in
+# three rounds, and FLASH against tiled beside a competing process (--busy). About 45 minutes
+# on 2 cores.
 reference: $(VENV)/.installed
 	$(PY) -m octlm verify --out runs
-	$(PY) -m octlm bench --suite seed --resume
-	$(PY) -m octlm bench --suite train --resume
+	$(PY) -m octlm bench --suite baseline --resume --rounds 3
+	$(PY) -m octlm bench --suite train --resume --rounds 3
 	$(PY) -m octlm bench --suite structure --resume
+	$(PY) -m octlm bench --backends flash tiled --lengths 8192 --busy --rounds 3 --resume \
+		--output runs/bench-contention-cpu.jsonl
 	$(PY) -m octlm.bench.ring
 	$(PY) -m octlm.bench.ring --length 32768 --repeats 2
 	$(PY) -m octlm report

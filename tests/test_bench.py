@@ -5,31 +5,35 @@ Tiny sizes only; each worker costs a Python start with torch. No timing is asser
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from octlm import records
 from octlm.attention.tiled import DEFAULT_BLOCK
-from octlm.bench import driver
+from octlm.bench import driver, ring
 from octlm.bench.suites import SUITES, Grid, suite
-from octlm.bench.worker import FAULT_ENV, flops
+from octlm.bench.worker import FAULT_ENV, flops, matmul_peak
 from octlm.cli import main
 
-# DESIGN §5: the common fields, the benchmark record, and what issues 6 and 8 add.
-COMMON = ["experiment", "time", "torch", "device", "threads", "host_cpu"]
+# docs/design.md §5: the common fields, the benchmark record, and the fields added since.
+COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu"]
 BENCHMARK = [
     "backend", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "length", "causal",
     "window", "block", "status", "reason", "repeats", "seconds_median", "seconds_iqr",
     "memory_metric", "peak_bytes", "baseline_bytes", "extra_bytes", "pid",
 ]  # fmt: skip
-ADDED = ["q_len", "padding", "tflops"]
+ADDED = ["q_len", "padding", "tflops", "busy", "round", "signal", "load_before", "cpu_seconds"]
 TINY = Grid(backends=("flash",), lengths=(32,), heads=2, head_sizes=(16,), repeats=1)
 
 
@@ -41,8 +45,50 @@ def tiny(*backends: str, **changes):
 @pytest.fixture
 def fake_probe(monkeypatch):
     """The driver's device probe without a child process."""
-    context = {"torch": "x", "device": "cpu", "threads": 1, "host_cpu": "test", "experiment": "p"}
+    context = {"torch": "x", "device": "cpu", "threads": 1, "host_cpu": "test"}
     monkeypatch.setattr(driver, "_probe", lambda device: {**context, "available_bytes": 2**30})
+
+
+@pytest.fixture
+def fake_spawn(monkeypatch):
+    """Workers that record an ok measurement at once; the list holds (round, measurement)."""
+    ran = []
+
+    def spawn(m, probe, timeout, **where):
+        ran.append((where["round"], m))
+        return measured(m, probe, **where)
+
+    monkeypatch.setattr(driver, "_spawn", spawn)
+    return ran
+
+
+def measured(m, probe, **where) -> dict:
+    """An ok record with made-up figures, as a worker would print it."""
+    figures = dict(seconds_median=0.1, extra_bytes=1, peak_bytes=2)
+    return driver._failure(m, probe, 2, "ok", None, **figures, **{"experiment": "x", **where})
+
+
+def children(pid: int) -> dict[int, str]:
+    """Living child processes of ``pid``: their command lines, by pid (Linux /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's reaping is left
 
 
 def test_each_measurement_has_its_own_worker_and_a_full_record(tmp_path):
@@ -51,9 +97,10 @@ def test_each_measurement_has_its_own_worker_and_a_full_record(tmp_path):
         "bench", "--backends", "math", "tiled", "efficient", "triton", "--lengths", "64",
         "--dtypes", "float32", "--heads", "2", "--head-size", "16", "--repeats", "2",
         "--q-len", "16", "--window", "8", "--padding", "0.25", "--output", str(output),
+        "--no-peak",
     ]  # fmt: skip
     assert main(argv) == 0
-    rows = list(records.read(output))
+    rows = [r for r in records.read(output) if r["kind"] == "bench"]
     assert [r["backend"] for r in rows] == ["math", "tiled", "efficient", "triton"]
     for row in rows:
         assert {*COMMON, *BENCHMARK, *ADDED} <= row.keys()
@@ -65,6 +112,12 @@ def test_each_measurement_has_its_own_worker_and_a_full_record(tmp_path):
         assert row["status"] == "ok", row["reason"]
         assert row["extra_bytes"] == row["peak_bytes"] - row["baseline_bytes"]
         assert len(row["seconds"]) == 2 and row["tflops"] > 0
+        assert row["kind"] == "bench" and row["round"] == 1 and row["busy"] is False
+        # the process's own clocks span the timed calls; the load average is the system's
+        assert row["wall_seconds"] >= sum(row["seconds"]) and row["cpu_seconds"] > 0
+        assert row["load_before"] >= 0 and row["cpus"] == os.cpu_count()
+    peak = [r for r in records.read(output) if r["kind"] == "peak"]
+    assert peak == [] and len({r["run"] for r in rows}) == 1  # --no-peak; one run id
     assert tiled_row["block"] == list(DEFAULT_BLOCK) and math_row["block"] is None
     assert efficient["status"] == "unsupported"
     assert "efficient" in efficient["reason"] and "backend" in efficient["reason"]
@@ -73,20 +126,37 @@ def test_each_measurement_has_its_own_worker_and_a_full_record(tmp_path):
 
 def test_crashing_workers_become_records_and_the_run_goes_on(tmp_path, fake_probe, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "kill:naive,raise:math,oom:tiled")
+    monkeypatch.setattr(driver, "_oom_kills", lambda: 7)  # the OOM killer does nothing
     output = tmp_path / "bench.jsonl"
-    assert driver.run(tiny("naive", "math", "tiled"), output, timeout=120) == 0
-    status = {r["backend"]: (r["status"], r["reason"]) for r in records.read(output)}
+    assert driver.run(tiny("naive", "math", "tiled"), output, timeout=120, peak=False) == 0
+    status = {r["backend"]: (r["status"], r["reason"], r["signal"]) for r in records.read(output)}
     assert status == {
-        "naive": ("oom", "worker killed by SIGKILL, as the kernel's OOM killer does"),
-        "math": ("error", "RuntimeError: test fault"),
-        "tiled": ("oom", "MemoryError: test fault"),
+        "naive": (
+            "killed",
+            "worker killed by SIGKILL, not by the OOM killer (/proc/vmstat: no new kill)",
+            "SIGKILL",
+        ),
+        "math": ("error", "RuntimeError: test fault", None),
+        "tiled": ("oom", "MemoryError: test fault", None),
     }
+
+
+def test_a_sigkill_is_called_oom_only_when_the_oom_killer_acted(monkeypatch):
+    counts = iter([3, 5])
+    monkeypatch.setattr(driver, "_oom_kills", lambda: next(counts))
+    before = driver._oom_kills()
+    status, reason = driver._killed(signal.SIGKILL, before)
+    assert status == "oom" and "2 in /proc/vmstat" in reason
+    monkeypatch.setattr(driver, "_oom_kills", lambda: None)
+    status, reason = driver._killed(signal.SIGKILL, None)
+    assert status == "killed" and "does not say" in reason
+    assert driver._killed(signal.SIGTERM, 3) == ("killed", "worker killed by SIGTERM")
 
 
 def test_a_worker_past_its_timeout_is_killed_and_recorded(tmp_path, fake_probe):
     output = tmp_path / "bench.jsonl"
     # No worker imports torch in a tenth of a second: both time out, and both are recorded.
-    assert driver.run(tiny("flash", "tiled"), output, timeout=0.1) == 0
+    assert driver.run(tiny("flash", "tiled"), output, timeout=0.1, peak=False) == 0
     rows = list(records.read(output))
     assert [r["status"] for r in rows] == ["timeout", "timeout"]
     assert all("0.1 s" in r["reason"] and r["pid"] for r in rows)
@@ -95,13 +165,10 @@ def test_a_worker_past_its_timeout_is_killed_and_recorded(tmp_path, fake_probe):
 def test_memory_guard_skips_math_that_cannot_fit_without_launching(
     tmp_path, fake_probe, monkeypatch
 ):
-    def launched(*args):
-        raise AssertionError("a worker was launched for a measurement that cannot fit")
-
     monkeypatch.setattr(driver, "_spawn", launched)
     output = tmp_path / "bench.jsonl"
     huge = tiny("math", "naive", lengths=(2**20,), modes=("forward", "train"))
-    assert driver.run(huge, output) == 0
+    assert driver.run(huge, output, peak=False) == 0
     rows = list(records.read(output))
     assert len(rows) == 4
     for row in rows:
@@ -109,27 +176,140 @@ def test_memory_guard_skips_math_that_cannot_fit_without_launching(
         assert "GiB" in row["reason"] and "MemAvailable" in row["reason"]
 
 
-def test_resume_skips_settled_measurements_and_reruns_failed_ones(
-    tmp_path, fake_probe, monkeypatch
-):
+def test_resume_skips_settled_measurements_and_reruns_failed_ones(tmp_path, fake_probe, fake_spawn):
     measurements = tiny("math", "flash", "efficient", "tiled")
     output = tmp_path / "bench.jsonl"
     probe = driver._probe("cpu")
-    for m, status in zip(measurements, ("ok", "skipped", "unsupported", "timeout"), strict=True):
-        records.append(output, driver._failure(m, probe, "earlier", 1, status, "earlier"))
-    ran = []
+    records.append(output, measured(measurements[0], probe))
+    for m, status in zip(measurements[1:], ("skipped", "unsupported", "timeout"), strict=True):
+        records.append(output, driver._failure(m, probe, 1, status, "earlier", experiment="x"))
+    assert driver.run(measurements, output, resume=True, peak=False) == 0
+    assert fake_spawn == [(1, measurements[3])]
+    assert len(records.read(output)) == 5
+    fake_spawn.clear()
+    assert driver.run(measurements, output, resume=True, peak=False) == 0
+    assert fake_spawn == []
 
-    def spawn(m, *args):
-        ran.append(m)
-        return driver._failure(m, probe, "later", 2, "ok", None)
+
+def test_resume_after_a_torn_last_line_keeps_the_next_record(tmp_path, fake_probe, fake_spawn):
+    """A run killed mid-write leaves half a line; the resumed run's first record must start on
+    a line of its own (it used to be glued to the fragment and lost), and reading says what
+    it skipped."""
+    flash, tiled = tiny("flash", "tiled")
+    output = tmp_path / "bench.jsonl"
+    probe = driver._probe("cpu")
+    records.append(output, measured(flash, probe))
+    with output.open("a") as out:
+        out.write('{"kind": "bench", "backend": "tiled", "mo')  # the killed run's last write
+    assert driver.run([flash, tiled], output, resume=True, peak=False) == 0
+    assert fake_spawn == [(1, tiled)]
+    skipped = []
+    found = records.read(output, skipped)
+    assert [r["backend"] for r in found] == ["flash", "tiled"]
+    assert skipped[0].count == 1 and "line 2: not JSON" in str(skipped[0])
+    with pytest.warns(records.RecordsWarning, match="skipped 1 line"):
+        records.read(output)
+
+
+def test_read_skips_and_counts_every_line_that_is_not_a_record(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    good = {"kind": "bench", "backend": "flash", "mode": "forward", "length": 8, "status": "ok",
+            "seconds_median": 0.5, "extra_bytes": 10, "peak_bytes": 20}  # fmt: skip
+    lines = [
+        json_line(good),
+        b"\xff\xfe not utf-8\n",
+        b"[1, 2, 3]\n",
+        json_line({**good, "length": "8"}),
+        json_line({**good, "extra_bytes": None}),
+        json_line({**good, "kind": "mystery"}),
+        json_line({"note": "no kind, and no field that tells one"}),
+        json_line({**good, "seconds_median": float("nan")}),
+        json_line({**good, "status": "timeout", "extra_bytes": None, "seconds_median": None}),
+    ]
+    path.write_bytes(b"".join(lines))
+    skipped = []
+    found = records.read(path, skipped)
+    assert [r["status"] for r in found] == ["ok", "timeout"]
+    [note] = skipped
+    assert note.count == 7
+    text = str(note)
+    for why in ("line 2: not UTF-8", "line 3: a JSON list", "'length' must be int, got '8'",
+                "'extra_bytes' must be int, got None", "kind 'mystery'"):  # fmt: skip
+        assert why in text
+    with pytest.raises(FileNotFoundError, match="no records file"):
+        records.read(tmp_path / "missing.jsonl")
+
+
+def json_line(record: dict) -> bytes:
+    return (json.dumps(record) + "\n").encode()
+
+
+def test_rounds_alternate_the_backends_and_resume_counts_rounds(tmp_path, fake_probe, fake_spawn):
+    flash, tiled = tiny("flash", "tiled")
+    output = tmp_path / "bench.jsonl"
+    assert driver.run([flash, tiled], output, rounds=2, peak=False) == 0
+    assert fake_spawn == [(1, flash), (1, tiled), (2, tiled), (2, flash)]
+    found = records.read(output)
+    assert [r["round"] for r in found] == [1, 1, 2, 2] and len({r["run"] for r in found}) == 1
+    fake_spawn.clear()
+    assert driver.run([flash, tiled], output, rounds=3, resume=True, peak=False) == 0
+    assert fake_spawn == [(3, flash), (3, tiled)]
+
+
+def test_busy_measurements_run_beside_a_competitor_that_is_stopped_after(
+    tmp_path, fake_probe, monkeypatch
+):
+    seen = []
+
+    def spawn(m, probe, timeout, **where):
+        competing = [pid for pid, line in children(os.getpid()).items() if "--compete" in line]
+        seen.append((m.busy, len(competing)))
+        return measured(m, probe, **where)
 
     monkeypatch.setattr(driver, "_spawn", spawn)
-    assert driver.run(measurements, output, resume=True) == 0
-    assert ran == measurements[3:]
-    assert len(list(records.read(output))) == 5
-    ran.clear()
-    assert driver.run(measurements, output, resume=True) == 0
-    assert ran == []
+    measurements = tiny("flash", "tiled", busy=(False, True))
+    assert driver.run(measurements, tmp_path / "bench.jsonl", peak=False) == 0
+    assert seen == [(False, 0), (False, 0), (True, 1), (True, 1)]
+    assert not [line for line in children(os.getpid()).values() if "--compete" in line]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_a_worker_dies_with_its_driver(stop, tmp_path):
+    """SIGTERM and SIGHUP reach the driver's handlers, which kill the worker and keep the
+    records; after a SIGKILL the kernel ends the worker (parent-death signal)."""
+    output = tmp_path / "bench.jsonl"
+    script = (
+        "import sys; from dataclasses import replace; from octlm.bench import driver; "
+        "from octlm.bench.suites import Grid; "
+        "grid = Grid(backends=('flash', 'tiled'), lengths=(32,), heads=2, head_sizes=(16,), "
+        "repeats=1); "
+        f"sys.exit(driver.run(grid.measurements(), {str(output)!r}, peak=False))"
+    )
+    env = {**os.environ, FAULT_ENV: "sleep:tiled"}
+    process = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            sleeping = [
+                pid for pid, line in children(process.pid).items()
+                if "octlm.bench.worker" in line and '"tiled"' in line
+            ]  # fmt: skip
+            if sleeping:
+                break
+            assert process.poll() is None and time.monotonic() < deadline, "no tiled worker"
+            time.sleep(0.1)
+        [worker] = sleeping
+        process.send_signal(stop)
+        process.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(worker), f"the worker outlived its driver's {stop.name}"
+    finally:
+        process.kill()
+    if stop != signal.SIGKILL:
+        assert process.returncode == 128 + stop
+        assert [r["backend"] for r in records.read(output)] == ["flash"]
 
 
 def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, monkeypatch):
@@ -154,7 +334,7 @@ def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, 
     output = tmp_path / "bench.jsonl"
     threading.Thread(target=press_ctrl_c, daemon=True).start()
     try:
-        code = driver.run(tiny("flash", "tiled"), output)
+        code = driver.run(tiny("flash", "tiled"), output, peak=False)
     finally:
         returned.set()
     assert code == 130
@@ -163,11 +343,12 @@ def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, 
 
 
 def test_suites_expand_to_the_issue_grids():
-    seed = suite("seed")
-    assert len(seed) == 4 * 2 * 5 + 4  # five backends in two dtypes, and the seed's sketch
-    assert {m.dtype for m in seed if m.backend == "sketch"} == {"float32"}
-    assert {m.length for m in seed} == {1024, 2048, 4096, 8192}
-    assert {(m.batch, m.heads, m.head_size, m.mode, m.causal) for m in seed} == {
+    baseline = suite("baseline")
+    assert len(baseline) == 4 * 2 * 5 + 4  # five backends in two dtypes, and the Day 2 sketch
+    assert suite("seed") == baseline  # the old name still works
+    assert {m.dtype for m in baseline if m.backend == "sketch"} == {"float32"}
+    assert {m.length for m in baseline} == {1024, 2048, 4096, 8192}
+    assert {(m.batch, m.heads, m.head_size, m.mode, m.causal) for m in baseline} == {
         (1, 8, 32, "forward", True)
     }
     train = suite("train")
@@ -179,18 +360,27 @@ def test_suites_expand_to_the_issue_grids():
         (8192, 8192, 0, 0.5, "forward"),
     }  # fmt: skip
     assert {m.device for m in suite("cuda")} == {"cuda"}
-    assert set(SUITES) == {"seed", "train", "structure", "cuda"}
+    assert set(SUITES) == {"baseline", "train", "structure", "cuda"}
 
 
 def test_overrides_replace_the_suite_values_and_bad_ones_name_the_option():
-    measurements = suite("seed", lengths=(64,), dtypes=("float32",), repeats=1)
+    measurements = suite("baseline", lengths=(64,), dtypes=("float32",), repeats=1)
     assert {(m.length, m.dtype, m.repeats) for m in measurements} == {(64, "float32", 1)}
     with pytest.raises(ValueError, match="backends"):
-        suite("seed", backends=("fast",))
+        suite("baseline", backends=("fast",))
     with pytest.raises(ValueError, match="paddings"):
-        suite("seed", paddings=(1.0,))
+        suite("baseline", paddings=(1.0,))
     with pytest.raises(ValueError, match="suite"):
         suite("nightly")
+
+
+def test_options_that_would_make_a_record_lie_are_refused():
+    """--kv-heads 0 used to run as 8 heads, and --q-len above every length ran nothing."""
+    with pytest.raises(ValueError, match=r"--kv-heads \(0\)"):
+        suite("baseline", kv_heads=0)
+    with pytest.raises(ValueError, match=r"nothing to measure.*--q-len"):
+        suite("baseline", q_lens=(16,), lengths=(8,))
+    assert {m.kv_heads for m in suite("baseline", kv_heads=2, lengths=(64,))} == {2}
 
 
 def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
@@ -204,16 +394,97 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
     assert main(["bench", "--suite", "structure", "--lengths", "512", "--block", "64"]) == 0
     [(measurements, output, options)] = calls
     assert str(output) == os.path.join("runs", "bench-structure-cpu.jsonl")
-    assert options == {"experiment": "bench-structure", "timeout": 600.0, "resume": False}
+    assert options == {
+        "experiment": "bench-structure", "timeout": 600.0, "resume": False, "rounds": 1,
+        "peak": True,
+    }  # fmt: skip
     assert {m.block for m in measurements if m.backend == "tiled"} == {(64, 64)}
     assert {m.length for m in measurements} == {512}
+    calls.clear()
+    assert main(["bench", "--suite", "seed", "--lengths", "64", "--busy", "--rounds", "3"]) == 0
+    [(measurements, output, options)] = calls
+    assert str(output) == os.path.join("runs", "bench-baseline-cpu.jsonl")
+    assert options["rounds"] == 3 and {m.busy for m in measurements} == {False, True}
 
 
-def test_bad_options_exit_2_and_name_the_option(capsys):
-    assert main(["bench", "--padding", "1.5"]) == 2
-    assert "--padding" in capsys.readouterr().err
-    assert main(["bench", "--block", "0"]) == 2
-    assert "block" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--padding", "1.5"], "--padding"),
+        (["--block", "0"], "block"),
+        (["--kv-heads", "0"], "--kv-heads"),
+        (["--q-len", "16", "--lengths", "8"], "nothing to measure"),
+        (["--timeout", "inf"], "--timeout"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--timeout", "0"], "--timeout"),
+        (["--rounds", "0"], "--rounds"),
+    ],
+)
+def test_bad_options_exit_2_and_name_the_option(argv, named, capsys, monkeypatch):
+    monkeypatch.setattr(driver, "_spawn", launched)
+    assert main(["bench", "--lengths", "32", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+def launched(*args, **kwargs):
+    raise AssertionError("a worker was launched")
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_measurement(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(driver, "_spawn", launched)
+    monkeypatch.setattr(driver, "_probe", launched)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = ["bench", "--lengths", "32", "--output", str(blocker / "bench.jsonl")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--output" in err and "cannot be written" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_is_a_clear_error(fake_probe, fake_spawn):
+    with pytest.raises(OSError, match="cannot write a record to /dev/full: No space left"):
+        driver.run(tiny("flash"), "/dev/full", peak=False)
+
+
+def test_the_matmul_peak_record_counts_two_n_cubed_operations():
+    record = matmul_peak("test", run="r", size=128)
+    assert record["kind"] == "peak" and record["run"] == "r" and record["size"] == 128
+    assert len(record["seconds"]) == 3
+    assert math.isclose(record["gflops"], 2 * 128**3 / record["seconds_median"] / 1e9)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--length", "100", "--worlds", "3", "--layout", "plain"], "--length (100)"),
+        (["--length", "102", "--worlds", "2"], "multiple of 4"),  # zigzag: 2 chunks per rank
+        (["--worlds", "0"], "--worlds"),
+        (["--repeats", "0"], "--repeats"),
+        (["--kv-heads", "0"], "--kv-heads"),
+        (["--kv-heads", "3"], "--kv-heads"),
+        (["--timeout", "inf"], "--timeout"),
+    ],
+)
+def test_ring_bench_refuses_what_it_would_not_measure(argv, named, tmp_path, capsys):
+    assert ring.main([*argv, "--output", str(tmp_path / "ring.jsonl")]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "ring.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv", [["bench", "--modes", "sideways"], ["report", "--nope"]])
+def test_unknown_choices_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+
+
+def test_ring_modes_are_checked_by_name(capsys):
+    with pytest.raises(SystemExit):
+        ring.main(["--modes", "sideways"])
+    assert "sideways" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -231,9 +502,9 @@ def test_flops_follow_flash_attentions_count():
     assert flops(replace(square, q_len=1)) == 4 * 1 * 2 * 1 * 64 * 16
 
 
-def test_the_seed_sketch_runs_forward_only_and_matches_the_reference():
+def test_the_day2_sketch_runs_forward_only_and_matches_the_reference():
     from octlm.attention import naive_attention
-    from octlm.bench.sketch import seed_sketch
+    from octlm.bench.sketch import day2_sketch
     from octlm.bench.worker import measure
 
     forward, train = tiny("sketch", modes=("forward", "train"))
@@ -241,7 +512,7 @@ def test_the_seed_sketch_runs_forward_only_and_matches_the_reference():
     assert measure(train)["status"] == "unsupported"
     query, key, value = torch.randn(3, 1, 2, 70, 16, dtype=torch.float64)
     torch.testing.assert_close(
-        seed_sketch(query, key, value, block=16), naive_attention(query, key, value)
+        day2_sketch(query, key, value, block=16), naive_attention(query, key, value)
     )
 
 

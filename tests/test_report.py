@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from octlm.bench.suites import key_of
-from octlm.cli import main
-from octlm.report import NOT_MEASURED, claims, load, write_report
+import pytest
 
-# Synthetic records of the seed, train and structure suites (tests/fixtures/make_bench_records.py)
+from octlm import records, verify
+from octlm.bench.suites import Grid, key_of
+from octlm.bench.worker import make_record
+from octlm.cli import main
+from octlm.report import NOT_MEASURED, claims, collect, load, write_report
+
+# Synthetic records of the baseline, train and structure suites
+# (tests/fixtures/make_bench_records.py).
 FIXTURE = Path(__file__).parent / "fixtures" / "bench-records.jsonl"
+RUNS = Path(__file__).parent.parent / "runs"
 PNG = b"\x89PNG\r\n\x1a\n"
+MACHINE = {"torch": "2.13.0+cpu", "device": "cpu", "threads": 2, "host_cpu": "Test CPU"}
+
+
+def write(path: Path, found: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in found))
+    return path
+
+
+def timed(backend: str, seconds: float, round: int = 1, busy: bool = False, **results) -> dict:
+    """An ok benchmark record at 8,192 tokens (float32, 8 heads of 32) of run ``r``."""
+    [m] = replace(Grid(backends=(backend,), lengths=(8192,)), busy=(busy,)).measurements()
+    figures = dict(seconds_median=seconds, seconds=[seconds], extra_bytes=2**20, peak_bytes=2**30)
+    return make_record(m, "test", MACHINE, run="r", round=round, status="ok", **figures, **results)
 
 
 def test_report_from_fixture_has_claims_structure_and_plots(tmp_path):
@@ -19,7 +39,7 @@ def test_report_from_fixture_has_claims_structure_and_plots(tmp_path):
     assert main(["report", str(FIXTURE), "--output", str(output)]) == 0
     text = output.read_text()
     assert "host CPU Fixture CPU, 2 threads, torch 2.13.0+cpu" in text
-    assert "| Claim | Seed (laptop CPU, Day 2) | Here |" in text
+    assert "| Claim | Day 2 note (laptop CPU) | Here |" in text
     # The fixture's MATH takes 8e-8 s per score and FLASH 7.5e-9 s: a 10.7x speed-up.
     assert "| FLASH speed-up over MATH, float32 | 10.5× at 8,192 | 10.7× at 8,192 |" in text
     assert "unsupported in all 8 measurements" in text
@@ -39,7 +59,8 @@ def test_report_from_fixture_has_claims_structure_and_plots(tmp_path):
 def test_load_ignores_other_records_and_keeps_ok_over_a_failed_rerun(tmp_path):
     ring = tmp_path / "bench-ring-cpu.jsonl"
     first = json.loads(FIXTURE.read_text().splitlines()[0])
-    ring.write_text(json.dumps({**first, "world_size": 1, "seconds_median": 1e9}) + "\n")
+    legacy = {k: v for k, v in first.items() if k not in ("kind", "run", "round", "busy")}
+    ring.write_text(json.dumps({**legacy, "world_size": 1, "seconds_median": 1e9}) + "\n")
     rows = load([ring, FIXTURE])
     lines = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     assert len(rows) == len(lines) - 2  # the verification record and the failed rerun
@@ -54,7 +75,7 @@ def test_missing_data_reads_not_measured(tmp_path):
         "".join(json.dumps(r) + "\n" for r in lines if r.get("backend") == "flash")
     )
     rows = load([only_flash])
-    table = {claim: here for claim, _seed, here in claims(rows)}
+    table = {claim: here for claim, _note, here in claims(rows)}
     assert table["MATH memory per doubling of length"] == NOT_MEASURED
     assert table["FLASH memory stays flat"].endswith("at 8,192 (1.59× per doubling)")
     assert table["memory-efficient backend on CPU"] == NOT_MEASURED
@@ -62,16 +83,18 @@ def test_missing_data_reads_not_measured(tmp_path):
     assert NOT_MEASURED in text
 
 
-def test_report_without_any_records(tmp_path):
+def test_report_without_any_records_says_so_plainly(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     text = write_report([empty], tmp_path / "report.md").read_text()
-    assert "no benchmark records" in text
-    assert all(here == NOT_MEASURED or NOT_MEASURED in here for _c, _s, here in claims([]))
+    assert f"No records in `{empty}`: nothing was measured, so this report has no figures." in text
+    assert "## " not in text  # no section of empty tables
+    assert all(here == NOT_MEASURED or NOT_MEASURED in here for _c, _note, here in claims([]))
 
 
 def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
-    """The seed's 4.8e-7 and 1.1e-6 sit beside verify's worst figures; ring rows beside W=1."""
+    """The Day 2 note's 4.8e-7 and 1.1e-6 sit beside verify's worst figures; ring rows beside
+    W=1."""
     verify = tmp_path / "verify.jsonl"
     common = {"experiment": "tiled-sdpa", "dtype": "float32", "passed": True, "base_error": 0.0}
     checks = [
@@ -86,13 +109,136 @@ def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
     first = json.loads(FIXTURE.read_text().splitlines()[0])
     ring = tmp_path / "bench-ring-cpu.jsonl"
     ring.write_text(
-        json.dumps({**first, "backend": "ring", "world_size": 4, "extra_bytes": 2**20,
-                    "peak_bytes": 300 * 2**20, "seconds_median": 0.5}) + "\n"
+        json.dumps({**first, "kind": "ring", "backend": "ring", "world_size": 4,
+                    "extra_bytes": 2**20, "peak_bytes": 300 * 2**20, "seconds_median": 0.5}) + "\n"
     )  # fmt: skip
     output = tmp_path / "report.md"
     write_report([FIXTURE, verify, ring], output)
     text = output.read_text()
-    assert "3 verification records, 1 failed" in text
+    assert "4 verification records from the latest run of each of 3 experiments, 1 failed" in text
     assert "| 4.8e-7 | 9e-07 (2/2 pass) |" in text
     assert "| 1.1e-6 | 1.2e-06 (0/1 pass) |" in text
     assert "| 1 MiB | 300 MiB |" in text and "| 4 | 500.0 ms |" in text
+
+
+def test_committed_records_without_a_kind_are_read_with_the_kind_they_imply():
+    """The reference records in runs/ predate kinds: every line must still be read."""
+    paths = sorted([*RUNS.glob("*.jsonl"), *RUNS.glob("checks/*.jsonl")])
+    legacy = [path for path in paths if '"kind"' not in path.read_text()]
+    assert legacy
+    skipped = []
+    kinds = {record["kind"] for path in legacy for record in records.read(path, skipped)}
+    assert kinds == {"bench", "ring", "verify"}
+    for path in paths:
+        records.read(path, skipped)
+    assert skipped == []
+
+
+def test_lines_that_are_not_records_are_skipped_and_listed(tmp_path, capsys):
+    good = timed("flash", 0.5)
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(
+        b"\xff\xfe\n[1, 2]\n"
+        + json.dumps({**good, "extra_bytes": None}).encode() + b"\n"
+        + json.dumps({**good, "length": "8192"}).encode() + b"\n"
+        + json.dumps(good).encode() + b"\n"
+    )  # fmt: skip
+    output = tmp_path / "report.md"
+    assert main(["report", str(path), "--output", str(output)]) == 0
+    text = output.read_text()
+    assert f"skipped: {path}: skipped 4 line(s): line 1: not UTF-8; line 2: a JSON list" in text
+    assert "'extra_bytes' must be int, got None" in text and "1 benchmark measurements" in text
+    assert "skipped 4 line(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["missing.jsonl", "folder"])
+def test_a_missing_records_file_is_a_clear_error(where, tmp_path, capsys):
+    (tmp_path / "folder").mkdir()
+    assert main(["report", str(tmp_path / where), "--output", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err
+    assert "octlm report: no records file" in err and where in err and "Traceback" not in err
+
+
+def test_an_output_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["report", str(FIXTURE), "--output", str(tmp_path / "file" / "r.md")]) == 2
+    assert "--output" in capsys.readouterr().err
+
+
+def test_ratios_come_per_round_with_their_spread_and_fraction_of_peak(tmp_path):
+    """Three rounds of tiled and FLASH: the ratio of each round, their median and range; the
+    fraction of the run's matmul peak by FlashAttention's count (tflops)."""
+    found = []
+    for round, (tiled, flash) in enumerate([(0.6, 0.5), (0.9, 0.6), (0.65, 0.5)], 1):
+        found.append(timed("tiled", tiled, round, tflops=0.03))
+        found.append(timed("flash", flash, round, tflops=0.06))
+    found.append(records.make("peak", "test", MACHINE, run="r", busy=False, gflops=120.0, size=64))
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    # rounds: 1.2, 1.5, 1.3 -> median 1.3
+    assert (
+        "| cpu forward float32 8,192 | tiled ÷ FLASH | 1.3× (1.2–1.5, 3 rounds) | 25% | 50% |"
+        in text
+    )
+    assert "120 GFLOP/s over 1 run(s)" in text
+    # the "every measurement" table shows the median of the rounds: FLASH 0.5, tiled 0.65
+    assert "| 8,192 | 500.0 ms, 1 MiB | 650.0 ms, 1 MiB |" in text
+
+
+def test_measurements_on_a_busy_machine_are_flagged(tmp_path):
+    found = [
+        timed("flash", 0.5, load_before=4.0, cpus=2, tflops=0.06),
+        timed("tiled", 0.6, cpu_seconds=0.5, wall_seconds=1.0),  # 2 threads: a quarter
+        timed("math", 5.0, load_before=1.9, cpus=2, cpu_seconds=1.9, wall_seconds=1.0),
+        records.make("peak", "test", MACHINE, run="r", gflops=40.0, load_before=3.0, cpus=2),
+    ]
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert "2 of the measurements were taken while the machine was busy (for example load " in text
+    assert "| 8,192 | 500.0 ms, 1 MiB † | 5.00 s, 1 MiB | 600.0 ms, 1 MiB † |" in text
+    assert "| tiled ÷ FLASH | 1.2× (1 round) | — | 150% † | 1 of 1 |" in text
+    assert "1 of 1 probe(s) ran busy (load 3.00 on 2 CPUs)" in text
+
+
+def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):
+    found = []
+    for round, (tiled, flash) in enumerate([((0.6, 1.8), (0.4, 0.8)), ((0.6, 2.4), (0.4, 0.8))], 1):
+        for backend, (idle, busy) in (("tiled", tiled), ("flash", flash)):
+            found += [timed(backend, idle, round), timed(backend, busy, round, busy=True)]
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    # tiled grows 3x and 4x, FLASH 2x: relative growth 1.5 and 2 against the target 1.1
+    row = "| cpu forward float32 8,192 | 3.5× (3–4, 2 rounds) | 2× (2–2, 2 rounds) |"
+    assert row + " 1.75× (1.5–2, 2 rounds) | no |" in text
+    # busy measurements stay out of the idle tables
+    assert "| 8,192 | 400.0 ms, 1 MiB | 600.0 ms, 1 MiB |" in text
+    # an idle baseline taken on a busy machine cannot judge the target
+    found[0] = {**found[0], "load_before": 9.0, "cpus": 2}
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert "| not judged: the idle runs were on a busy machine |" in text
+
+
+def test_a_training_runs_metrics_become_a_table(tmp_path):
+    metrics = [
+        {"kind": "train_step", "step": step, "loss": 5.0 - step / 100, "lr": 1e-3,
+         "tokens_per_second": 1000.0 + step, "grad_norm": 0.5}
+        for step in range(1, 101)
+    ] + [{"kind": "eval", "step": 100, "val_loss": 4.25, "val_bits_per_byte": 1.5}]  # fmt: skip
+    path = write(tmp_path / "metrics.jsonl", metrics)
+    text = write_report([path], tmp_path / "report.md").read_text()
+    assert "## Training run" in text
+    assert "100 steps, 1 evaluations; median 1,050 tokens/s." in text
+    assert "| 100 | 4.0000 | 0.001 | 0.5 | 4.2500 | 1.5000 |" in text
+
+
+def test_verify_run_twice_is_counted_once(tmp_path):
+    """Two runs into one folder append to the same files; the report reads the latest run."""
+    plan = replace(verify.QUICK, lengths=(64,), blocks=(32,))
+    options = dict(plan=plan, dtypes=["float32"], experiments=["tiled-sdpa"], progress=False)
+    first, paths = verify.run(tmp_path, **options)
+    second, _ = verify.run(tmp_path, **options)
+    assert len(records.read(paths[0])) == 2 * len(first) == 4
+    assert len({r["run"] for r in first}) == 1 and first[0]["run"] != second[0]["run"]
+    found = collect(paths)
+    assert [r["run"] for r in found.verify] == [second[0]["run"]] * len(second)
+    text = write_report(paths, tmp_path / "report.md").read_text()
+    assert (
+        f"{len(second)} verification records from the latest run of each of 1 experiments" in text
+    )

@@ -1,6 +1,6 @@
-"""``octlm verify``: the quick run passes and writes DESIGN §5 records, a broken implementation
-fails it with a record that says which check and by how much, and an interrupted run keeps
-every record it finished."""
+"""``octlm verify``: the quick run passes and writes docs/design.md §5 records, a broken
+implementation fails it with a record that says which check and by how much, and an interrupted
+run keeps every record it finished."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import octlm.attention.tiled
 from octlm import cli, verify
 
 FIELDS = {
-    # every record (records.context)
-    *("experiment", "time", "torch", "device", "threads", "host_cpu"),
+    # every record (records.make)
+    *("kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu"),
     # every verification record
     *("check", "left", "right", "dtype", "length", "block", "kv_heads", "head_size", "causal"),
     *("window", "error", "base_error", "tolerance", "max_abs_diff", "passed"),
@@ -51,6 +51,19 @@ def test_quick_run_passes_and_writes_design_records(tmp_path, capsys):
     for record in found:
         assert record.keys() >= FIELDS, FIELDS - record.keys()
         assert record["passed"], record
+    assert {record["kind"] for record in found} == {"verify"}
+    assert len({record["run"] for record in found}) == 1
+    # Token counts and loss curves are not judged by the equality rule: no tolerance, their
+    # own figures instead.
+    greedy = [record for record in found if record["check"].startswith("greedy")]
+    curves = [record for record in found if record["experiment"] == "training"]
+    assert greedy and curves
+    for record in greedy:
+        assert record["tolerance"] is None and record["mismatched_tokens"] == 0
+        assert record["tokens_differing_from_naive"] == 0
+    for record in curves:
+        assert record["error"] is None and record["tolerance"] is None
+        assert record["loss_relative_difference"] <= record["loss_tolerance"]
     output = capsys.readouterr().out
     assert "worst error" in output and "FAIL" not in output
     assert all(str(path) in output for path in files)
@@ -127,3 +140,11 @@ def test_bad_options_name_the_argument(argv, named, tmp_path, capsys):
     assert cli.main(["verify", "--out", str(tmp_path), *argv]) == 2
     assert named in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_check(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["verify", "--out", str(blocker / "runs"), "--only", "training"]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "cannot be written" in err

@@ -11,10 +11,10 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     from octlm import verify
 
     parser.description = (
-        "Check every attention implementation against float64 naive attention (DESIGN §4) and "
-        "against each other, from single calls to the whole model, its decoding and training. "
-        "One records file per experiment, OUT/<date>-<experiment>.jsonl; exit status 1 when "
-        "any check fails."
+        "Check every attention implementation against float64 naive attention (docs/design.md "
+        "§4) and against each other, from single calls to the whole model, its decoding and "
+        "training. One records file per experiment, OUT/<date>-<experiment>.jsonl, every record "
+        "tagged with this run's id; exit status 1 when any check fails."
     )
     parser.add_argument("--out", default="runs", help="folder for the records (default runs)")
     parser.add_argument(
@@ -49,6 +49,12 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
             found, paths = verify.run(
                 args.out, plan=plan, device=args.device, dtypes=args.dtypes, experiments=args.only
             )
+        except ValueError as error:  # an output folder that cannot be written
+            print(f"octlm verify: {error}", file=sys.stderr)
+            return 2
+        except OSError as error:  # a full disk
+            print(f"octlm verify: {error}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print(f"octlm verify: interrupted; finished records are in {args.out}", file=sys.stderr)
             return 130
@@ -64,17 +70,18 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm bench``: a named suite, and options that override its grid."""
-    from octlm.bench.suites import BACKENDS, DTYPES, GRID_OPTIONS, MODES, SUITES
+    from octlm.bench.suites import ALIASES, BACKENDS, DTYPES, GRID_OPTIONS, MODES, SUITES
 
     parser.description = (
         "Run every measurement of a suite in its own process and append one record per "
-        "measurement. Grid options replace the suite's value in all of its grids."
+        "measurement, in rounds that alternate the backends. Grid options replace the suite's "
+        "value in all of its grids."
     )
     parser.add_argument(
         "--suite",
-        choices=sorted(SUITES),
-        default="seed",
-        help="named grid (default: seed, the seed note's Day 2 grid)",
+        choices=[*SUITES, *ALIASES],
+        default="baseline",
+        help="named grid (default: baseline, the Day 2 note's grid; seed is its old name)",
     )
     grid = parser.add_argument_group("grid (default: the suite's)")
     grid.add_argument(
@@ -125,6 +132,26 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     )
     grid.add_argument("--repeats", type=int, help="timed calls per measurement")
     grid.add_argument("--device", help="cpu or cuda")
+    grid.add_argument(
+        "--busy",
+        action="store_const",
+        const=(False, True),
+        help="measure every point twice, idle and beside one CPU-bound competing process that "
+        "the benchmark starts and stops",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the grid this many times, one fresh process per measurement, backends "
+        "alternating (default 1)",
+    )
+    parser.add_argument(
+        "--no-peak",
+        dest="peak",
+        action="store_false",
+        help="skip the float32 matrix-multiply probe that starts each run (a few seconds)",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -148,11 +175,16 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
                 output=args.output,
                 timeout=args.timeout,
                 resume=args.resume,
+                rounds=args.rounds,
+                peak=args.peak,
                 **grid_options,
             )
-        except ValueError as error:  # a bad option or an unusable device: say which
+        except ValueError as error:  # a bad option, output or device: say which
             print(f"octlm bench: {error}", file=sys.stderr)
             return 2
+        except (OSError, RuntimeError) as error:  # a full disk, a failed matmul probe
+            print(f"octlm bench: {error}", file=sys.stderr)
+            return 1
 
     parser.set_defaults(run=run)
 
@@ -160,10 +192,15 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 def _report_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm report``: which records, and where the Markdown and plots go."""
     parser.description = (
-        "Tables and plots from benchmark records: the seed's claims beside this machine's "
-        "figures, the structure cases, and every plain measurement."
+        "Tables and plots from records: the Day 2 note's claims beside this machine's "
+        "figures, ratios within rounds and under contention, equivalence, the structure "
+        "cases, ring attention, a training run's metrics, and every plain measurement."
     )
-    parser.add_argument("paths", nargs="*", help="records files (default: runs/*.jsonl)")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        help="records files, a training run's metrics.jsonl among them (default: runs/*.jsonl)",
+    )
     parser.add_argument(
         "--output",
         default="runs/report.md",
@@ -173,7 +210,11 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         from octlm.report import write_report
 
-        print(write_report(args.paths or None, args.output))
+        try:
+            print(write_report(args.paths or None, args.output))
+        except (FileNotFoundError, ValueError) as error:
+            print(f"octlm report: {error}", file=sys.stderr)
+            return 2
         return 0
 
     parser.set_defaults(run=run)

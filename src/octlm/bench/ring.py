@@ -9,18 +9,22 @@ process before it. ``W = 1`` is the baseline, ``tiled_attention`` on the whole s
 machine's threads are shared out: each of the ``W`` ranks gets ``threads // W``.
 
 A repeat is timed from a barrier to a barrier, so it lasts as long as the slowest rank. Each
-record carries the DESIGN §5 benchmark fields and ``world_size``, ``layout``, and
-``rank_peak_bytes`` (every rank's ``ru_maxrss``); ``peak_bytes`` is the largest of those, and
-``baseline_bytes``/``extra_bytes`` are that rank's figures.
+record (kind ``ring``) carries the docs/design.md §5 benchmark fields and ``world_size``,
+``layout``, and ``rank_peak_bytes`` (every rank's ``ru_maxrss``); ``peak_bytes`` is the largest
+of those, and ``baseline_bytes``/``extra_bytes`` are that rank's figures. Options that would
+make a record say something other than what ran (a length that the layout cannot split over a
+world size, no repeats) are refused before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
+import math
 import os
-import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -34,7 +38,8 @@ from octlm import records
 from octlm.attention import ring_attention, tiled_attention
 from octlm.attention.ring import DEFAULT_LAYOUT, LAYOUTS
 from octlm.attention.tiled import DEFAULT_BLOCK
-from octlm.bench import memory
+from octlm.bench import guard, memory
+from octlm.bench.suites import DTYPES, MODES
 
 EXPERIMENT = "bench-ring"
 OUTPUT = Path("runs") / "bench-ring-cpu.jsonl"
@@ -43,6 +48,7 @@ OUTPUT = Path("runs") / "bench-ring-cpu.jsonl"
 def _worker(rank: int, spec: dict, folder: str) -> None:
     """One rank of one measurement; writes ``rank<r>.json`` with its times and memory."""
     world = spec["world_size"]
+    guard.die_with_parent(spec["parent"])
     torch.set_num_threads(max(1, spec["threads"] // world))
     result = {"pid": os.getpid(), "threads": torch.get_num_threads()}
     try:
@@ -102,17 +108,17 @@ def _measure(rank: int, spec: dict) -> dict:
     return {"status": "ok", "seconds": seconds, "baseline": baseline, "peak": memory.peak("cpu")}
 
 
+RUN_FIELDS = ("threads", "timeout", "parent", "run")  # how to run, not what is measured
+
+
 def measure(spec: dict) -> dict:
     """Run one measurement in ``spec["world_size"]`` fresh processes; return its record."""
     world = spec["world_size"]
-    record = {
-        **records.context(EXPERIMENT),
-        **{name: value for name, value in spec.items() if name not in ("threads", "timeout")},
-        **dict.fromkeys(("status", "reason", "seconds_median", "seconds_iqr", "seconds")),
-        "memory_metric": memory.metric("cpu"),
-        **dict.fromkeys(("peak_bytes", "baseline_bytes", "extra_bytes", "pid")),
-        "rank_peak_bytes": None,
-    }
+    fields = {name: value for name, value in spec.items() if name not in RUN_FIELDS}
+    results = dict.fromkeys(("status", "reason", "seconds_median", "seconds_iqr", "seconds"))
+    results.update(memory_metric=memory.metric("cpu"))
+    results.update(dict.fromkeys(("peak_bytes", "baseline_bytes", "extra_bytes", "pid")))
+    results.update(rank_peak_bytes=None)
     with tempfile.TemporaryDirectory(prefix="octlm-ring-") as folder:
         context = mp.start_processes(
             _worker, args=(spec, folder), nprocs=world, join=False, start_method="spawn"
@@ -121,42 +127,79 @@ def measure(spec: dict) -> dict:
         try:
             while not context.join(timeout=1):
                 if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
-                    record.update(status="timeout", reason=f"no result in {spec['timeout']} s")
-                    return record
+                    _kill(context)
+                    results.update(status="timeout", reason=f"no result in {spec['timeout']} s")
+                    return _record(spec, fields, results)
         except mp.ProcessExitedException as error:
-            record.update(status="error", reason=str(error)[:2000])
-            return record
+            results.update(status="error", reason=str(error)[:2000])
+            return _record(spec, fields, results)
+        except BaseException:  # Ctrl-C, SIGTERM, SIGHUP: leave no rank behind
+            _kill(context)
+            raise
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
-    record["threads"] = ranks[0]["threads"]
     failed = [r for r in ranks if r["status"] != "ok"]
     if failed:
-        record.update(status=failed[0]["status"], reason=failed[0]["reason"])
-        return record
-    seconds = ranks[0]["seconds"]  # barrier to barrier: the slowest rank's time
-    quartiles = statistics.quantiles(seconds, n=4, method="inclusive") if len(seconds) > 1 else []
+        results.update(status=failed[0]["status"], reason=failed[0]["reason"])
+        return _record(spec, fields, results, threads=ranks[0]["threads"])
     top = max(ranks, key=lambda r: r["peak"])
-    record.update(
+    results.update(
         status="ok",
-        seconds_median=statistics.median(seconds),
-        seconds_iqr=quartiles[2] - quartiles[0] if quartiles else 0.0,
-        seconds=seconds,
+        **records.timing(ranks[0]["seconds"]),  # barrier to barrier: the slowest rank's time
         peak_bytes=top["peak"],
         baseline_bytes=top["baseline"],
         extra_bytes=top["peak"] - top["baseline"],
         pid=top["pid"],
         rank_peak_bytes=[r["peak"] for r in ranks],
     )
+    return _record(spec, fields, results, threads=ranks[0]["threads"])
+
+
+def _record(spec: dict, fields: dict, results: dict, threads: int | None = None) -> dict:
+    """The ``ring`` record; ``threads`` is what each rank ran with."""
+    record = records.make("ring", EXPERIMENT, "cpu", run=spec.get("run"), **fields, **results)
+    if threads is not None:
+        record["threads"] = threads
     return record
 
 
-def main(argv: list[str] | None = None) -> None:
+def _kill(context) -> None:
+    for process in context.processes:
+        process.kill()
+        process.join()
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse options that no run could honour, naming the option; before anything runs."""
+    for name in ("worlds", "repeats", "length", "heads", "kv_heads", "head_size", "batch"):
+        values = getattr(args, name)
+        values = values if isinstance(values, list) else [values]
+        if any(value < 1 for value in values):
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{option} must be >= 1, got {getattr(args, name)}")
+    if args.heads % args.kv_heads:
+        raise ValueError(
+            f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
+        )
+    if args.warmup < 0 or args.window < 0 or args.threads < 1:
+        raise ValueError("--warmup and --window must be >= 0, --threads >= 1")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ValueError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    for world in args.worlds:
+        chunks = 2 * world if args.layout == "zigzag" and world > 1 else world
+        if args.length % chunks:
+            raise ValueError(
+                f"--length ({args.length}) must be a multiple of {chunks} to split over "
+                f"{world} ranks in the {args.layout} layout; each rank holds an equal shard"
+            )
+    records.check_writable(args.output, "--output")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=8192, help="total tokens, all ranks")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="1 = tiled")
-    parser.add_argument("--modes", nargs="+", default=["forward", "train"])
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -169,38 +212,61 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
     parser.add_argument("--output", default=str(OUTPUT))
     args = parser.parse_args(argv)
-    for world in args.worlds:
-        for mode in args.modes:
-            spec = {
-                "backend": "ring" if world > 1 else "tiled",
-                "mode": mode,
-                "dtype": args.dtype,
-                "batch": args.batch,
-                "heads": args.heads,
-                "kv_heads": args.kv_heads,
-                "head_size": args.head_size,
-                "length": args.length,
-                "q_len": args.length,
-                "causal": True,
-                "window": args.window,
-                "padding": 0.0,
-                "block": list(DEFAULT_BLOCK),
-                "repeats": args.repeats,
-                "warmup": args.warmup,
-                "world_size": world,
-                "layout": args.layout if world > 1 else None,
-                "threads": args.threads,
-                "timeout": args.timeout,
-            }
-            record = measure(spec)
-            records.append(args.output, record)
-            summary = (
-                f"{record['seconds_median']:.3f} s, peak {record['peak_bytes'] / 2**20:.0f} MiB"
-                if record["status"] == "ok"
-                else f"{record['status']}: {record['reason']}"
-            )
-            print(f"{spec['backend']} W={world} {mode}: {summary}", flush=True)
+    try:
+        check(args)
+    except ValueError as error:
+        print(f"octlm.bench.ring: {error}", file=sys.stderr)
+        return 2
+    run = records.new_run()
+    try:
+        with guard.stop_on_signals():
+            for world, mode in itertools.product(args.worlds, args.modes):
+                spec = _spec(args, world, mode, run)
+                record = measure(spec)
+                records.append(args.output, record)
+                summary = (
+                    f"{record['seconds_median']:.3f} s, peak {record['peak_bytes'] / 2**20:.0f} MiB"
+                    if record["status"] == "ok"
+                    else f"{record['status']}: {record['reason']}"
+                )
+                print(f"{spec['backend']} W={world} {mode}: {summary}", flush=True)
+    except (KeyboardInterrupt, guard.Stopped) as stop:
+        print(
+            f"octlm.bench.ring: {stop or 'interrupted'}; records kept in {args.output}",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum if isinstance(stop, guard.Stopped) else 130
+    except OSError as error:
+        print(f"octlm.bench.ring: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _spec(args: argparse.Namespace, world: int, mode: str, run: str) -> dict:
+    return {
+        "backend": "ring" if world > 1 else "tiled",
+        "mode": mode,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_size": args.head_size,
+        "length": args.length,
+        "q_len": args.length,
+        "causal": True,
+        "window": args.window,
+        "padding": 0.0,
+        "block": list(DEFAULT_BLOCK),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "world_size": world,
+        "layout": args.layout if world > 1 else None,
+        "threads": args.threads,
+        "timeout": args.timeout,
+        "parent": os.getpid(),
+        "run": run,
+    }
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

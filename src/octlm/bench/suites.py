@@ -1,8 +1,8 @@
 """What to measure: one :class:`Measurement` per worker, grids of them, and named suites.
 
-A suite is a list of :class:`Grid` s, because the structure cases of issue 8 (window, prefill,
-decode, padding) are several small grids, not one product. Command-line options override a
-field in every grid of the chosen suite.
+A suite is a list of :class:`Grid` s, because the structure cases (window, prefill, decode,
+padding) are several small grids, not one product. Command-line options override a field in
+every grid of the chosen suite.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ class Measurement:
     ``length`` is the number of keys; ``q_len`` queries attend to them, bottom-right causal
     (``q_len < length`` is a chunk of new tokens after a cache). ``padding`` is the fraction of
     keys hidden by ``key_lengths``. ``block`` is the tiled backend's ``(block_q, block_k)`` and
-    ``None`` for the others.
+    ``None`` for the others. ``busy``: measured while the driver ran one CPU-bound competing
+    process beside it (``octlm bench --busy``).
     """
 
     backend: str
@@ -43,6 +44,7 @@ class Measurement:
     repeats: int
     warmup: int
     device: str
+    busy: bool = False
 
     def key(self) -> tuple:
         """What makes two measurements the same one (repeats and warm-up do not)."""
@@ -56,13 +58,15 @@ class Measurement:
             for name, value in (("window", self.window), ("padding", self.padding))
             if value
         )
-        return f"{self.backend} {self.mode} {self.dtype} {shape}{extra}"
+        return f"{self.backend} {self.mode} {self.dtype} {shape}{extra}" + " busy" * self.busy
 
 
 def key_of(record: dict) -> tuple:
     """:meth:`Measurement.key` of a record, so a file can say which measurements it holds."""
-    names = [f.name for f in fields(Measurement) if f.name not in ("repeats", "warmup", "device")]
-    values = [record.get(name) for name in names]
+    known = [f for f in fields(Measurement) if f.name not in ("repeats", "warmup", "device")]
+    names = [f.name for f in known]
+    # A field added later (``busy``) reads as its default in records written before it.
+    values = [record.get(f.name, f.default) for f in known]
     block = record.get("block")
     values[names.index("block")] = tuple(block) if block else None
     return tuple(values)
@@ -80,6 +84,7 @@ class Grid:
     q_lens: tuple[int | None, ...] = (None,)
     windows: tuple[int, ...] = (0,)
     paddings: tuple[float, ...] = (0.0,)
+    busy: tuple[bool, ...] = (False,)  # (False, True): each point idle, then beside a competitor
     batch: int = 1
     heads: int = 8
     kv_heads: int | None = None  # None: as many as heads
@@ -102,10 +107,11 @@ class Grid:
             self.q_lens,
             self.windows,
             self.paddings,
+            self.busy,
             self.backends,
         )
         out = []
-        for length, head_size, dtype, mode, q_len, window, padding, backend in combos:
+        for length, head_size, dtype, mode, q_len, window, padding, busy, backend in combos:
             if q_len is not None and q_len > length:
                 continue  # more new queries than keys: not a cache shape
             out.append(
@@ -115,7 +121,7 @@ class Grid:
                     dtype=dtype,
                     batch=self.batch,
                     heads=self.heads,
-                    kv_heads=self.kv_heads or self.heads,
+                    kv_heads=self.heads if self.kv_heads is None else self.kv_heads,
                     head_size=head_size,
                     length=length,
                     q_len=length if q_len is None else q_len,
@@ -126,6 +132,7 @@ class Grid:
                     repeats=self.repeats,
                     warmup=warmup,
                     device=self.device,
+                    busy=busy,
                 )
             )
         return out
@@ -139,9 +146,9 @@ _CUDA_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 _STRUCTURE = Grid(backends=("flash", "tiled", "math"), lengths=(8192,))
 
 SUITES: dict[str, tuple[Grid, ...]] = {
-    # The seed's Day 2 grid: forward, batch 1, 8 heads of 32, float32 and bfloat16; and the
-    # seed's own tiled sketch, which octlm's tiled attention grew from.
-    "seed": (
+    # The Day 2 note's grid: forward, batch 1, 8 heads of 32, float32 and bfloat16; and the
+    # note's own tiled sketch, which octlm's tiled attention grew from.
+    "baseline": (
         Grid(
             backends=("math", "flash", "efficient", "tiled", "naive"),
             lengths=_CPU_LENGTHS,
@@ -154,7 +161,7 @@ SUITES: dict[str, tuple[Grid, ...]] = {
     "train": (
         Grid(backends=("math", "flash", "tiled"), lengths=(*_CPU_LENGTHS, 16384), modes=("train",)),
     ),
-    # Issue 8: structure that tiled can skip and a dense mask cannot.
+    # Structure that tiled can skip and a dense mask cannot.
     "structure": (
         replace(_STRUCTURE, windows=(512,), modes=("forward", "train")),
         replace(_STRUCTURE, q_lens=(1024,)),
@@ -175,16 +182,38 @@ SUITES: dict[str, tuple[Grid, ...]] = {
 }
 
 
-def suite(name: str, **overrides) -> list[Measurement]:
-    """The measurements of suite ``name``, each grid with ``overrides`` (``None`` = keep)."""
+# Former suite names that still work.
+ALIASES = {"seed": "baseline"}
+
+
+def suite_name(name: str) -> str:
+    """The suite ``name`` stands for (an alias resolved); ``ValueError`` if none."""
+    name = ALIASES.get(name, name)
     if name not in SUITES:
-        raise ValueError(f"suite must be one of {sorted(SUITES)}, got {name!r}")
+        raise ValueError(f"suite must be one of {sorted([*SUITES, *ALIASES])}, got {name!r}")
+    return name
+
+
+def suite(name: str, **overrides) -> list[Measurement]:
+    """The measurements of suite ``name``, each grid with ``overrides`` (``None`` = keep).
+
+    A combination with more queries than keys is left out (not a cache shape); options that
+    leave nothing to measure are refused.
+    """
     overrides = {key: value for key, value in overrides.items() if value is not None}
-    grids = [replace(grid, **overrides) for grid in SUITES[name]]
+    grids = [replace(grid, **overrides) for grid in SUITES[suite_name(name)]]
     for grid in grids:
         _check(grid)
     # Overrides can make two grids alike (--window on the structure suite): measure once.
-    return list(dict.fromkeys(m for grid in grids for m in grid.measurements()))
+    found = list(dict.fromkeys(m for grid in grids for m in grid.measurements()))
+    if not found:
+        q_lens = sorted({q for grid in grids for q in grid.q_lens if q is not None})
+        lengths = sorted({n for grid in grids for n in grid.lengths})
+        raise ValueError(
+            f"nothing to measure: every --q-len {q_lens} exceeds every --lengths {lengths} "
+            "(queries attend to at most LENGTH keys)"
+        )
+    return found
 
 
 def _check(grid: Grid) -> None:
@@ -207,7 +236,7 @@ def _check(grid: Grid) -> None:
             raise ValueError(f"{name} ({option}) must be >= {low}, got {list(values)}")
     if any(not 0.0 <= padding < 1.0 for padding in grid.paddings):
         raise ValueError(f"paddings (--padding) must lie in [0, 1), got {list(grid.paddings)}")
-    kv_heads = grid.kv_heads or grid.heads
+    kv_heads = grid.heads if grid.kv_heads is None else grid.kv_heads
     if grid.batch < 1 or grid.heads < 1 or kv_heads < 1 or grid.heads % kv_heads:
         raise ValueError(
             f"--batch ({grid.batch}) and --heads ({grid.heads}) must be >= 1, and heads a "

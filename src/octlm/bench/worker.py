@@ -1,9 +1,14 @@
 """Exactly one measurement in this process: ``python -m octlm.bench.worker --json '{...}'``.
 
 Builds the inputs, takes the memory baseline just before the measured call, warms up, times the
-repeats, reads the peak, and prints one JSON line: the whole benchmark record (DESIGN §5). A
-backend that cannot run is an ``unsupported`` record with torch's reason, never a silent
+repeats, reads the peak, and prints one JSON line: the whole benchmark record (docs/design.md
+§5). A backend that cannot run is an ``unsupported`` record with torch's reason, never a silent
 fallback: each SDPA backend is forced alone with ``sdpa_kernel``.
+
+Beside the times, the record says how busy the machine was: the load average before and after,
+and the CPU time this process got while the repeats ran against their wall time (a process
+that shares its cores gets less CPU than its threads could use). ``--peak`` instead times a
+large float32 ``torch.mm``: the machine's matrix-multiply rate, which the report divides into.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -22,13 +26,15 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from octlm import records
-from octlm.attention import naive_attention, sdpa_attention, tiled_attention
+from octlm.attention import IMPLEMENTATIONS, sdpa_attention
 from octlm.bench import memory
+from octlm.bench.guard import die_with_parent
 from octlm.bench.suites import Measurement
 
 RESULT_FIELDS = (
     "status",
     "reason",
+    "signal",
     "seconds_median",
     "seconds_iqr",
     "seconds",
@@ -37,8 +43,16 @@ RESULT_FIELDS = (
     "peak_bytes",
     "baseline_bytes",
     "extra_bytes",
+    "load_before",
+    "load_after",
+    "cpus",
+    "cpu_seconds",
+    "wall_seconds",
     "pid",
 )
+# The matrix-multiply probe: C = A @ B with A, B (PEAK_SIZE, PEAK_SIZE) float32.
+PEAK_SIZE = 4096
+PEAK_REPEATS = 3
 SDPA = {
     "math": SDPBackend.MATH,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -56,14 +70,27 @@ class Unsupported(Exception):
     """The backend cannot run this measurement here; the message says why."""
 
 
-def make_record(measurement: Measurement, context: dict, **results) -> dict:
-    """One benchmark record: common fields, the measurement, then ``results`` (others None)."""
+def make_record(
+    measurement: Measurement,
+    experiment: str,
+    where: str | dict,
+    *,
+    run: str | None = None,
+    round: int = 1,
+    **results,
+) -> dict:
+    """One benchmark record: the measurement, its round, then ``results`` (others None).
+
+    ``where`` is the device, or :func:`octlm.records.machine`'s dict as a child reported it.
+    """
     spec = asdict(measurement)
     del spec["device"]  # the record's ``device`` is the context's: ``cpu`` or the GPU's name
-    record = {**context, **spec, **dict.fromkeys(RESULT_FIELDS)}
-    record["memory_metric"] = memory.metric(measurement.device)
-    record.update(results)
-    return record
+    results = {
+        **dict.fromkeys(RESULT_FIELDS),
+        "memory_metric": memory.metric(measurement.device),
+        **results,
+    }
+    return records.make("bench", experiment, where, run=run, **spec, round=round, **results)
 
 
 def flops(measurement: Measurement) -> float:
@@ -83,13 +110,13 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
     """The measured attention call, with the backend bound."""
     m = measurement
     options = {"causal": m.causal, "window": m.window}
-    if m.backend == "naive":
-        return lambda: naive_attention(query, key, value, key_lengths=key_lengths, **options)
-    if m.backend == "tiled":
-        block = tuple(m.block)
-        return lambda: tiled_attention(
-            query, key, value, block=block, key_lengths=key_lengths, kernel="pytorch", **options
-        )  # the Triton kernel is its own backend
+    if m.backend in IMPLEMENTATIONS and not IMPLEMENTATIONS[m.backend].distributed:
+        impl = IMPLEMENTATIONS[m.backend]
+        # The Triton kernel is its own backend: tiled is timed as plain PyTorch.
+        tuning = {"block": tuple(m.block), "kernel": "pytorch"} if "block" in impl.tuning else {}
+        return lambda: impl.function(
+            query, key, value, key_lengths=key_lengths, **options, **tuning
+        )
     if m.backend in SDPA:
 
         def call():
@@ -100,10 +127,10 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
     if m.backend == "sketch":
         plain = m.causal and not m.window and not m.padding and m.q_len == m.length
         if not plain or m.mode != "forward" or m.kv_heads != m.heads:
-            raise Unsupported("the seed's sketch is square causal MHA, forward only")
-        from octlm.bench.sketch import seed_sketch
+            raise Unsupported("the Day 2 sketch is square causal MHA, forward only")
+        from octlm.bench.sketch import day2_sketch
 
-        return lambda: seed_sketch(query, key, value)
+        return lambda: day2_sketch(query, key, value)
     if m.backend == "triton":
         if query.device.type != "cuda":
             raise Unsupported(f"triton runs on CUDA only, not on {query.device.type}")
@@ -116,13 +143,14 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
         if not triton_flash.is_available(query.device):
             raise Unsupported("triton is not installed (pip install 'octlm[triton]')")
         return lambda: triton_flash.triton_attention(query, key, value, **options)
-    raise ValueError(f"backend must be one of {[*SDPA, 'naive', 'tiled', 'sketch', 'triton']}")
+    raise ValueError(f"backend must be one of {[*SDPA, *IMPLEMENTATIONS, 'sketch', 'triton']}")
 
 
-def measure(measurement: Measurement, experiment: str = "bench") -> dict:
+def measure(
+    measurement: Measurement, experiment: str = "bench", run: str | None = None, round: int = 1
+) -> dict:
     """Run one measurement and return its record; failures become a status and a reason."""
     m = measurement
-    context = records.context(experiment, m.device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -142,7 +170,7 @@ def measure(measurement: Measurement, experiment: str = "bench") -> dict:
                 results = {"status": "error", "reason": _describe(error)}
         except Exception as error:
             results = {"status": "error", "reason": _describe(error)}
-    return make_record(m, context, pid=os.getpid(), **results)
+    return make_record(m, experiment, m.device, run=run, round=round, pid=os.getpid(), **results)
 
 
 def _describe(error: BaseException) -> str:
@@ -177,20 +205,53 @@ def _run(m: Measurement) -> dict:
     _test_fault(m.backend)
     for _ in range(m.warmup):
         step()
+    load_before = _load()
+    cpu, wall = time.process_time(), time.perf_counter()
     seconds = [_timed(step, device) for _ in range(m.repeats)]
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     peak = memory.peak(m.device)
-    median = statistics.median(seconds)
-    quartiles = statistics.quantiles(seconds, n=4, method="inclusive") if len(seconds) > 1 else []
+    timing = records.timing(seconds)
+    median = timing["seconds_median"]
     return {
         "status": "ok",
-        "seconds_median": median,
-        "seconds_iqr": quartiles[2] - quartiles[0] if quartiles else 0.0,
-        "seconds": seconds,
+        **timing,
         "tflops": flops(m) / median / 1e12 if median > 0 else None,
         "peak_bytes": peak,
         "baseline_bytes": baseline,
         "extra_bytes": peak - baseline,
+        "load_before": load_before,
+        "load_after": _load(),
+        "cpus": os.cpu_count(),
+        "cpu_seconds": cpu,
+        "wall_seconds": wall,
     }
+
+
+def _load() -> float | None:
+    """The one-minute load average, where the system has one."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def matmul_peak(
+    experiment: str = "bench", run: str | None = None, busy: bool = False, size: int = PEAK_SIZE
+) -> dict:
+    """A ``peak`` record: GFLOP/s of a ``(size, size)`` float32 ``torch.mm`` on the CPU, the
+    median of :data:`PEAK_REPEATS` calls after one warm-up (2·size³ operations each)."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator) for _ in range(2))  # (N, N) each
+    torch.mm(a, b)
+    load_before = _load()
+    seconds = [_timed(lambda: torch.mm(a, b), torch.device("cpu")) for _ in range(PEAK_REPEATS)]
+    timing = records.timing(seconds)
+    gflops = 2 * size**3 / timing["seconds_median"] / 1e9
+    return records.make(
+        "peak", experiment, "cpu", run=run, size=size, dtype="float32", busy=busy,
+        gflops=gflops, **timing, load_before=load_before, load_after=_load(),
+        cpus=os.cpu_count(), pid=os.getpid(),
+    )  # fmt: skip
 
 
 def _timed(step: Callable[[], None], device: torch.device) -> float:
@@ -223,7 +284,7 @@ def probe(device: str) -> dict:
 
     The driver asks a child process so that it never holds a CUDA context of its own.
     """
-    return {**records.context("probe", device), "available_bytes": memory.available(device)}
+    return {**records.machine(device), "available_bytes": memory.available(device)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,15 +292,26 @@ def main(argv: list[str] | None = None) -> None:
     task = parser.add_mutually_exclusive_group(required=True)
     task.add_argument("--json", help="the Measurement's fields, as JSON")
     task.add_argument("--probe", metavar="DEVICE", help="print the device's context instead")
+    task.add_argument("--peak", action="store_true", help="time a large float32 torch.mm")
     parser.add_argument("--experiment", default="bench", help="the record's experiment name")
+    parser.add_argument("--run", help="the run id the record belongs to")
+    parser.add_argument("--round", type=int, default=1, help="the round of the run")
+    parser.add_argument("--busy", action="store_true", help="a competing process is running")
+    parser.add_argument("--parent", type=int, help="die when this process (the driver) does")
     args = parser.parse_args(argv)
+    if args.parent:
+        die_with_parent(args.parent)
     if args.probe:
         print(json.dumps(probe(args.probe)), flush=True)
+        return
+    if args.peak:
+        print(json.dumps(matmul_peak(args.experiment, args.run, args.busy)), flush=True)
         return
     spec = json.loads(args.json)
     if spec.get("block") is not None:
         spec["block"] = tuple(spec["block"])
-    print(json.dumps(measure(Measurement(**spec), args.experiment)), flush=True)
+    record = measure(Measurement(**spec), args.experiment, args.run, args.round)
+    print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""Process lifetimes: a child dies with its driver, and the driver stops cleanly on a signal.
+
+- :func:`die_with_parent`: a worker (or a benchmark's competing process) ends when the process
+  that started it ends, however it ends. On Linux the kernel sees to it
+  (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); elsewhere a thread watches ``os.getppid()``.
+- :func:`stop_on_signals`: SIGTERM and SIGHUP raise :class:`Stopped` in the driver, so the code
+  that kills the running worker (the same as for Ctrl-C) runs before the driver exits.
+- ``python guard.py --compete PARENT``: one CPU-bound process, for ``octlm bench --busy``.
+
+This file imports nothing from octlm or torch, so the competing process starts at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+class Stopped(BaseException):
+    """The driver received SIGTERM or SIGHUP; like ``KeyboardInterrupt``, not an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process with SIGKILL once ``parent`` (the driver's pid) is gone."""
+    if not (sys.platform.startswith("linux") and _pdeathsig()):
+        threading.Thread(target=_watch, args=(parent,), daemon=True).start()
+    # The parent may have died before the guard was set: then we are already an orphan.
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pdeathsig() -> bool:
+    """Ask the kernel to SIGKILL us when our parent exits; False where that fails."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`Stopped` (main thread only)."""
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def compete(parent: int) -> None:
+    """Keep one core busy until killed, or until ``parent`` is gone."""
+    die_with_parent(parent)
+    while True:
+        pass
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="one CPU-bound competing process")
+    parser.add_argument("--compete", type=int, required=True, metavar="PARENT_PID")
+    compete(parser.parse_args().compete)

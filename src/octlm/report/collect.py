@@ -1,0 +1,129 @@
+"""Read every records file once and sort its records by kind, for the report's sections.
+
+Benchmark records are reduced to the latest record of each measurement, device and round (a
+rerun replaces what it measures again, ``--resume`` fills in what is missing); an ``ok`` record
+is never hidden by a later failure. A measurement's figure over several rounds is the median of
+its rounds. Verification records are those of each experiment's latest run, so running
+``octlm verify`` twice into one folder counts every check once.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from octlm import records
+from octlm.bench.suites import key_of
+
+
+@dataclass
+class Collected:
+    """The records of some files, by kind."""
+
+    paths: list[Path]
+    rounds: dict[tuple, dict] = field(default_factory=dict)  # (device, key, round) -> bench
+    ring: list[dict] = field(default_factory=list)
+    peaks: list[dict] = field(default_factory=list)
+    verify: list[dict] = field(default_factory=list)
+    train: list[dict] = field(default_factory=list)  # train_step and eval
+    skipped: list[records.Skipped] = field(default_factory=list)
+
+    @property
+    def bench(self) -> list[dict]:
+        """One idle record per measurement and device; see :func:`measurements`."""
+        return measurements(self.rounds.values())
+
+    @property
+    def count(self) -> int:
+        parts = (self.rounds, self.ring, self.peaks, self.verify, self.train)
+        return sum(len(part) for part in parts)
+
+
+def collect(paths: Iterable[str | os.PathLike]) -> Collected:
+    """Read each of ``paths`` once. ``FileNotFoundError`` names a missing file."""
+    found = Collected([Path(p) for p in paths])
+    verify: list[dict] = []
+    for path in found.paths:
+        for record in records.read(path, found.skipped):
+            kind = record["kind"]
+            if kind == "bench":
+                place = (record.get("device"), key_of(record), record.get("round", 1))
+                if place not in found.rounds or _replaces(record, found.rounds[place]):
+                    found.rounds[place] = record
+            elif kind == "ring":
+                found.ring.append(record)
+            elif kind == "peak":
+                found.peaks.append(record)
+            elif kind == "verify":
+                verify.append(record)
+            else:
+                found.train.append({**record, "source": str(path)})
+    found.verify = latest_runs(verify)
+    return found
+
+
+def _replaces(new: dict, old: dict) -> bool:
+    return new["status"] == "ok" or old["status"] != "ok"
+
+
+def latest_runs(checks: list[dict]) -> list[dict]:
+    """The records of each experiment's latest run (records without a run id count as one
+    run, older than any with one)."""
+    latest: dict[str, str] = {}
+    for record in checks:
+        run = record.get("run") or ""
+        latest[record["experiment"]] = max(latest.get(record["experiment"], ""), run)
+    return [r for r in checks if (r.get("run") or "") == latest[r["experiment"]]]
+
+
+def measurements(found: Iterable[dict]) -> list[dict]:
+    """One idle (not ``busy``) record per measurement and device: over several rounds, the
+    latest record with the median of the rounds' medians and every round's times."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in found:
+        if not record.get("busy"):
+            groups.setdefault((record.get("device"), key_of(record)), []).append(record)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if r["status"] == "ok"]
+        if len(ok) < 2:
+            out.append(ok[0] if ok else group[-1])
+            continue
+        out.append({
+            **ok[-1],
+            "seconds_median": statistics.median(r["seconds_median"] for r in ok),
+            "seconds": [s for r in ok for s in r.get("seconds") or []],
+            "extra_bytes": int(statistics.median(r["extra_bytes"] for r in ok)),
+            "rounds": len(ok),
+        })  # fmt: skip
+    return out
+
+
+def plain(record: dict) -> bool:
+    """Square causal attention without window or padding: the Day 2 note's kind of record."""
+    return (
+        not record.get("window")
+        and not record.get("padding")
+        and record.get("q_len", record["length"]) == record["length"]
+    )
+
+
+# A measurement was taken on a busy machine when the one-minute load average before it exceeded
+# the CPU count by more than BUSY_LOAD (the benchmark's own threads keep it near the count), or
+# when its process got less than MIN_CPU_SHARE of the CPU time its threads could have used.
+BUSY_LOAD = 0.5
+MIN_CPU_SHARE = 0.75
+
+
+def busy(record: dict) -> str | None:
+    """Why ``record`` was measured on a busy machine, or ``None`` (also when it does not say)."""
+    load, cpus = record.get("load_before"), record.get("cpus")
+    if load is not None and cpus and load > cpus + BUSY_LOAD:
+        return f"load {load:.2f} on {cpus} CPUs"
+    cpu, wall, threads = (record.get(k) for k in ("cpu_seconds", "wall_seconds", "threads"))
+    if cpu is not None and wall and threads and cpu / (wall * threads) < MIN_CPU_SHARE:
+        return f"got {cpu / (wall * threads):.0%} of its {threads} threads' CPU time"
+    return None

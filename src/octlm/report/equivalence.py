@@ -1,0 +1,56 @@
+"""The Day 2 note's two equivalence figures beside this machine's, from ``octlm verify``."""
+
+from __future__ import annotations
+
+from octlm.report.format import NOT_MEASURED, table
+
+
+def section(checks: list[dict]) -> list[str]:
+    """Worst figures of each experiment's latest run, with how many checks passed."""
+    if not checks:
+        return [NOT_MEASURED, ""]
+
+    def worst(field: str, **want) -> str:
+        found = [r for r in checks if all(r.get(k) == v for k, v in want.items())]
+        found = [r for r in found if isinstance(r.get(field), int | float)]
+        if not found:
+            return NOT_MEASURED
+        passed = sum(r["passed"] for r in found)
+        return f"{max(r[field] for r in found):.2g} ({passed}/{len(found)} pass)"
+
+    body = [
+        [
+            "tiled vs SDPA, float32, lengths 128-1,024, blocks 64-256",
+            "4.8e-7",
+            worst("max_abs_diff", experiment="tiled-sdpa", left="tiled", dtype="float32"),
+        ],
+        [
+            "tiled vs float64 reference (same cases)",
+            "not in the note",
+            worst("error", experiment="tiled-sdpa", left="tiled", dtype="float32"),
+        ],
+        [
+            "SDPA vs float64 reference (same lengths)",
+            "not in the note",
+            worst("error", experiment="tiled-sdpa", left="sdpa", dtype="float32"),
+        ],
+        [
+            "whole model, SDPA vs naive logits, 8/4/2/1 KV heads",
+            "1.1e-6",
+            worst("max_abs_diff", check="model logits", left="sdpa", dtype="float32"),
+        ],
+        [
+            "whole model, tiled vs naive logits, 8/4/2/1 KV heads",
+            "not in the note",
+            worst("max_abs_diff", check="model logits", left="tiled", dtype="float32"),
+        ],
+    ]
+    failed = sum(not r["passed"] for r in checks)
+    runs = len({(r["experiment"], r.get("run")) for r in checks})
+    return [
+        f"{len(checks)} verification records from the latest run of each of {runs} "
+        f"experiments, {failed} failed. Figures are the worst case; the pass count applies "
+        "docs/design.md §4 (error against float64 within twice naive's).",
+        "",
+        *table(["Check", "Day 2 note", "Here"], body),
+    ]

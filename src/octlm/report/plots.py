@@ -1,0 +1,65 @@
+"""Log-log plots of time and extra memory against length, from plain records."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from octlm.bench.suites import BACKENDS
+from octlm.report.collect import plain
+from octlm.report.format import MiB
+
+# A backend keeps its colour and a dtype its line style.
+LINESTYLES = {"float32": "-", "bfloat16": "--", "float16": "-.", "float64": ":"}
+
+
+def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
+    """Log-log time and extra memory against length, one figure per device, mode and metric.
+
+    One line per backend and dtype (and head size where several). Returns the file names.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: dict[tuple, dict[tuple, list[dict]]] = {}
+    for r in rows:
+        if plain(r) and r["status"] == "ok":
+            line = (r["backend"], r["dtype"], r.get("head_size"))
+            figures.setdefault((r.get("device"), r["mode"]), {}).setdefault(line, []).append(r)
+    names = []
+    for (device, mode), lines in sorted(figures.items(), key=str):
+        several_sizes = len({size for *_, size in lines}) > 1
+        for metric, field, unit, axis in (
+            ("time", "seconds_median", 1, "median seconds"),
+            ("memory", "extra_bytes", MiB, "extra MiB (peak - baseline)"),
+        ):
+            figure, ax = plt.subplots(figsize=(6.4, 4.4))
+            for (backend, dtype, size), points in sorted(lines.items(), key=str):
+                points = sorted(
+                    (p for p in points if (p.get(field) or 0) > 0), key=lambda p: p["length"]
+                )
+                label = f"{backend} {dtype}" + (f", D={size}" if several_sizes else "")
+                ax.plot(
+                    [p["length"] for p in points],
+                    [p[field] / unit for p in points],
+                    marker="o",
+                    label=label,
+                    color=f"C{BACKENDS.index(backend) if backend in BACKENDS else 9}",
+                    linestyle=LINESTYLES.get(dtype, ":"),
+                )
+            ticks = sorted({p["length"] for points in lines.values() for p in points})
+            ax.set(xscale="log", yscale="log", xlabel="length (tokens)", ylabel=axis)
+            ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+            ax.minorticks_off()
+            ax.set_title(f"{mode}: {metric} on {device}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize="small")
+            slug = "".join(c if c.isalnum() else "-" for c in str(device).lower())
+            name = f"bench-{slug}-{mode}-{metric}.png"
+            figure.tight_layout()
+            figure.savefig(Path(folder) / name, dpi=120)
+            plt.close(figure)
+            names.append(name)
+    return names

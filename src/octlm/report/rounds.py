@@ -1,0 +1,207 @@
+"""Figures that hold on a shared machine: ratios per round, contention, the matmul peak.
+
+A round measures every backend of a shape one after the other, each in a fresh process, so a
+ratio taken within one round compares runs made under the same load; the report gives each
+ratio's median over the rounds and its spread. With ``octlm bench --busy`` every point is also
+measured beside one CPU-bound competing process, and the growth busy ÷ idle of each backend
+says how it holds up under contention. Each run's ``peak`` record (a large float32
+``torch.mm``) turns a time into a fraction of what the machine's matrix multiply can do.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from octlm.report.collect import Collected, busy
+from octlm.report.format import BUSY_MARK, NOT_MEASURED, spread, table
+
+# What makes two measurements of one round comparable: all but the field that varies.
+FIELDS = (
+    "device", "backend", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "length",
+    "q_len", "causal", "window", "padding", "busy",
+)  # fmt: skip
+# Contention target: (tiled busy / tiled idle) <= CONTENTION_TARGET * (FLASH busy / FLASH idle).
+CONTENTION_TARGET = 1.1
+
+
+def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, dict]]]:
+    """``{(the other fields, top value): [(top record, bottom record) per round]}``: ok records
+    of one round that differ only in ``field``, the bottom one having value ``bottom``."""
+    rounds: dict[tuple, dict] = {}
+    for (_device, _key, round), record in found.rounds.items():
+        if record["status"] == "ok":
+            rest = tuple(
+                record.get(f, False if f == "busy" else None) for f in FIELDS if f != field
+            )
+            rounds.setdefault((rest, round), {})[record.get(field) or False] = record
+    out: dict[tuple, list[tuple[dict, dict]]] = {}
+    for (rest, _round), by in sorted(rounds.items(), key=str):
+        if bottom in by:
+            for value, record in by.items():
+                if value != bottom:
+                    out.setdefault((rest, value), []).append((record, by[bottom]))
+    return out
+
+
+def _shape(rest: tuple, field: str) -> dict:
+    return dict(zip([f for f in FIELDS if f != field], rest, strict=True))
+
+
+def _describe(shape: dict) -> str:
+    q_len, length = shape["q_len"] or shape["length"], shape["length"]
+    text = (
+        f"{shape['mode']} {shape['dtype']} {length:,}"
+        if q_len == length
+        else (f"{shape['mode']} {shape['dtype']} {q_len:,}×{length:,}")
+    )
+    text += f", window {shape['window']}" if shape.get("window") else ""
+    text += f", padding {shape['padding']:g}" if shape.get("padding") else ""
+    if (shape["heads"], shape["kv_heads"], shape["head_size"]) != (8, 8, 32):
+        text += f", {shape['heads']}/{shape['kv_heads']} heads of {shape['head_size']}"
+    return text
+
+
+def peak_of(found: Collected, record: dict) -> dict | None:
+    """The matmul probe of ``record``'s run, under the same load (``busy``), if any."""
+    for peak in found.peaks:
+        same_load = bool(peak.get("busy")) == bool(record.get("busy"))
+        if peak.get("run") == record.get("run") and same_load:
+            return peak
+    return None
+
+
+def _of_peak(found: Collected, records: list[dict]) -> str:
+    """Median achieved fraction of the run's matmul peak, by FlashAttention's FLOP count;
+    marked when a probe ran on a busy machine (then above 100% is possible)."""
+    peaks = [(r, peak_of(found, r)) for r in records if r.get("tflops")]
+    fractions = [r["tflops"] * 1e3 / peak["gflops"] for r, peak in peaks if peak]
+    if not fractions:
+        return "—"
+    flagged = any(peak and busy(peak) for _, peak in peaks)
+    return f"{statistics.median(fractions):.0%}" + (f" {BUSY_MARK}" if flagged else "")
+
+
+def _flagged(pairs_: list[tuple[dict, dict]]) -> str:
+    """How many rounds ran on a busy machine (records from before load was recorded: unknown)."""
+    told = [pair for pair in pairs_ if all("load_before" in record for record in pair)]
+    if not told:
+        return "not recorded"
+    count = sum(1 for top, bottom in told if busy(top) or busy(bottom))
+    return f"{count} of {len(told)}" if count else "none"
+
+
+def longest(found_pairs: dict[tuple, list], field: str) -> list[tuple[dict, str, list]]:
+    """``(shape, varied value, pairs)`` at the longest length of each series, idle only, in
+    a reading order: device, mode, dtype, structure, backend."""
+    kept: dict[tuple, tuple[dict, str, list]] = {}
+    for (rest, value), pairs_ in found_pairs.items():
+        shape = _shape(rest, field)
+        if shape["busy"]:
+            continue
+        square = shape["q_len"] in (None, shape["length"])
+        series = (*(shape[f] for f in FIELDS if f not in (field, "length", "q_len")), value)
+        series += ("square" if square else shape["q_len"],)
+        if series not in kept or kept[series][0]["length"] < shape["length"]:
+            kept[series] = (shape, value, pairs_)
+    return [kept[series] for series in sorted(kept, key=str)]
+
+
+def section(found: Collected) -> list[str]:
+    """Peaks, per-round ratios to FLASH and between dtypes, and the contention table."""
+    lines = _peaks(found)
+    body = []
+    for shape, backend, found_pairs in longest(pairs(found, "backend", "flash"), "backend"):
+        ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
+        tops, bottoms = zip(*found_pairs, strict=True)
+        body.append([
+            f"{shape['device']} {_describe(shape)}", f"{backend} ÷ FLASH", spread(ratios),
+            _of_peak(found, list(tops)), _of_peak(found, list(bottoms)), _flagged(found_pairs),
+        ])  # fmt: skip
+    lines += ["### Time ratios within a round (longest length of each series)", ""]
+    if body:
+        header = ["Shape", "Ratio", "Median (min–max, rounds)", "% of peak", "FLASH % of peak"]
+        lines += table([*header, "Rounds on a busy machine"], body)
+    else:
+        lines += [f"{NOT_MEASURED}: no round measured FLASH beside another backend", ""]
+    lines += _dtypes(found)
+    lines += _contention(found)
+    return lines
+
+
+def _peaks(found: Collected) -> list[str]:
+    if not found.peaks:
+        return ["Matrix-multiply peak: " + NOT_MEASURED + ".", ""]
+    idle = [p["gflops"] for p in found.peaks if not p.get("busy")]
+    size = found.peaks[0].get("size")
+    text = f"Matrix-multiply peak (float32 `torch.mm`, {size}², median of each run's calls): "
+    parts = []
+    if idle:
+        parts.append(f"{statistics.median(idle):.0f} GFLOP/s over {len(idle)} run(s)")
+    crowded = [p["gflops"] for p in found.peaks if p.get("busy")]
+    if crowded:
+        parts.append(f"{statistics.median(crowded):.0f} GFLOP/s beside the competing process")
+    note = " Fractions of peak below use FlashAttention's FLOP count and the same run's probe;"
+    note += " a probe taken on a busy machine is marked † (a fraction can then pass 100%)."
+    flagged = [busy(p) for p in found.peaks if busy(p)]
+    if flagged:
+        note += f" {len(flagged)} of {len(found.peaks)} probe(s) ran busy ({flagged[0]})."
+    return [text + "; ".join(parts) + "." + note, ""]
+
+
+def _dtypes(found: Collected) -> list[str]:
+    body = []
+    for shape, dtype, found_pairs in longest(pairs(found, "dtype", "float32"), "dtype"):
+        ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
+        where = _describe({**shape, "dtype": dtype}).replace(f" {dtype}", "")
+        body.append([
+            f"{shape['device']} {shape['backend']} {where}", f"{dtype} ÷ float32", spread(ratios),
+            _flagged(found_pairs),
+        ])  # fmt: skip
+    if not body:
+        return []
+    header = ["Backend and shape", "Ratio", "Median (min–max, rounds)", "Rounds on a busy machine"]
+    return [
+        "### Lower precision against float32, within a round (longest length)",
+        "",
+        *table(header, body),
+    ]
+
+
+def _contention(found: Collected) -> list[str]:
+    growth = pairs(found, "busy", False)
+    body = []
+    for (rest, _), tiled in growth.items():
+        shape = _shape(rest, "busy")
+        if shape["backend"] != "tiled":
+            continue
+        flash = growth.get((tuple({**shape, "backend": "flash"}.values()), True))
+        tiled_growth = _growths(tiled)
+        cells = [f"{shape['device']} {_describe(shape)}", spread(list(tiled_growth.values()))]
+        if not flash:
+            body.append([*cells, NOT_MEASURED, "", ""])
+            continue
+        flash_growth = _growths(flash)
+        rounds = sorted(set(tiled_growth) & set(flash_growth))
+        relative = [tiled_growth[r] / flash_growth[r] for r in rounds]
+        met = "yes" if relative and statistics.median(relative) <= CONTENTION_TARGET else "no"
+        if any(busy(idle) for _, idle in [*tiled, *flash]):
+            met = "not judged: the idle runs were on a busy machine"
+        body.append([*cells, spread(list(flash_growth.values())), spread(relative), met])
+    if not body:
+        return []
+    header = ["Shape", "tiled busy ÷ idle", "FLASH busy ÷ idle", "tiled growth ÷ FLASH growth"]
+    return [
+        "### Under contention (`--busy`: one CPU-bound process beside the measurement)",
+        "",
+        f"Target: tiled's growth at most {CONTENTION_TARGET:g}× FLASH's.",
+        "",
+        *table([*header, "Met"], body),
+    ]
+
+
+def _growths(found_pairs: list[tuple[dict, dict]]) -> dict[int, float]:
+    """busy ÷ idle time, keyed by the round."""
+    return {
+        top.get("round", 1): top["seconds_median"] / bottom["seconds_median"]
+        for top, bottom in found_pairs
+    }

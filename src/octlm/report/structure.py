@@ -1,0 +1,71 @@
+"""Structure that tiled attention can skip and a dense mask cannot: sliding window, chunked
+prefill after a cache, decoding one token, padded keys; tiled against SDPA given the mask."""
+
+from __future__ import annotations
+
+from octlm.report.format import NOT_MEASURED, cell, is_ok, ratio, table
+
+# The targets: (ratio, its bound, True when the ratio must be at least the bound).
+TARGETS = {
+    "window, forward": ("speed-up", 3.0, True),
+    "window, train": ("speed-up", 2.0, True),
+    "prefill": ("slowdown", 1.0, False),
+    "decode": ("slowdown", 1.5, False),
+    "padding": ("speed-up", 1.5, True),
+}
+
+
+def _case(record: dict) -> str | None:
+    """Which structure case of :data:`TARGETS` a record measures, if any."""
+    window, padding = record.get("window"), record.get("padding")
+    length = record["length"]
+    q_len = record.get("q_len", length)
+    if window and not padding and q_len == length:
+        return f"window, {record['mode']}"
+    if padding and not window and q_len == length:
+        return "padding"
+    if not window and not padding and q_len == 1:
+        return "decode"
+    if not window and not padding and 1 < q_len < length:
+        return "prefill"
+    return None
+
+
+STRUCTURE_SHAPE = ("device", "mode", "dtype", "q_len", "length", "window", "padding")
+
+
+def section(rows: list[dict]) -> list[str]:
+    groups: dict[str, dict[tuple, dict[str, dict]]] = {case: {} for case in TARGETS}
+    for r in rows:
+        case = _case(r)
+        if case in groups:
+            shape = tuple(r.get(name) for name in STRUCTURE_SHAPE)
+            groups[case].setdefault(shape, {})[r["backend"]] = r
+    body = []
+    for case, (ratio_name, target, at_least) in TARGETS.items():
+        wanted = f"{ratio_name} {'≥' if at_least else '≤'} {target:g}×"
+        if not groups[case]:
+            body.append([case, NOT_MEASURED, "", "", "", "", wanted, ""])
+        for shape, by in sorted(groups[case].items(), key=str):
+            device, mode, dtype, q_len, length, window, padding = shape
+            queries = "1 query" if q_len == 1 else f"{q_len:,} queries"
+            where = f"{device} {dtype} {mode}, {queries} × {length:,} keys"
+            where += f", window {window}" if window else ""
+            where += f", padding {padding:g}" if padding else ""
+            cells = [cell(by.get(name)) for name in ("tiled", "flash", "math")]
+            tiled, flash = by.get("tiled"), by.get("flash")
+            shown, met = "", ""
+            if is_ok(tiled) and is_ok(flash):
+                value = flash["seconds_median"] / tiled["seconds_median"]
+                if ratio_name == "slowdown":
+                    value = 1 / value
+                shown = f"{ratio_name} {ratio(value)}"
+                met = "yes" if (value >= target if at_least else value <= target) else "no"
+            body.append([case, where, *cells, shown, wanted, met])
+    header = ["Case", "Shape", "tiled", "FLASH (dense mask)", "MATH", "Ratio", "Target", "Met"]
+    return [
+        "Speed-up is the SDPA FLASH time (dense mask) ÷ the tiled time; slowdown is its "
+        "inverse, tiled ÷ FLASH.",
+        "",
+        *table(header, body),
+    ]

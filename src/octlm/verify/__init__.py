@@ -1,0 +1,39 @@
+"""Equivalence experiments: every attention implementation against the float64 reference.
+
+Each experiment is a generator of verification records (docs/design.md §5). :func:`run`
+appends every record to ``<out>/<date>-<experiment>.jsonl`` the moment it is computed, so a
+run that is killed keeps every finished line; each record carries the run's id. Outputs are
+judged by the equality rule of docs/design.md §4 (against naive attention in float64, relative
+to naive attention in the tested dtype); pairwise differences, the figures the Day 2 note
+quotes (4.8e-7 tiled vs sdpa, 1.1e-6 for the model), go in ``max_abs_diff``. Token counts and
+loss curves are not judged by that rule: their records say what they counted instead.
+
+=================  ==========================================================================
+tiled-sdpa         tiled vs sdpa, and sdpa vs naive, over the Day 2 note's lengths and blocks
+model-equivalence  the whole model's logits and parameter gradients at 8, 4, 2, 1 KV heads
+block-invariance   tiled's output is the same for every block size, pairs included
+partial-outputs    after each key block, the partial result is attention over the keys so far
+gradients          tiled's backward: causal, non-causal, GQA, window, q_len < k_len, strided
+decoding           KV-cache decoding gives full-forward logits; greedy tokens agree everywhere
+training           20 training steps from one RNG seed give one loss curve for every attention
+=================  ==========================================================================
+
+Modules: :mod:`~octlm.verify.plan` (sizes), :mod:`~octlm.verify.cases` (shapes, inputs,
+records), :mod:`~octlm.verify.attention` and :mod:`~octlm.verify.model` (the experiments),
+:mod:`~octlm.verify.runner` (files and the summary).
+"""
+
+from octlm.verify.plan import DTYPES, FULL, QUICK, Plan, default_dtypes
+from octlm.verify.runner import EXPERIMENTS, check_options, run, summary
+
+__all__ = [
+    "DTYPES",
+    "EXPERIMENTS",
+    "FULL",
+    "QUICK",
+    "Plan",
+    "check_options",
+    "default_dtypes",
+    "run",
+    "summary",
+]
