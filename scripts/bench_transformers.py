@@ -65,7 +65,7 @@ def measure(attn: str, length: int, decode: int) -> dict:
         decoding = time.perf_counter() - start
     peak = memory.peak("cpu")
     return {
-        **records.context(EXPERIMENT),
+        **records.make("check", EXPERIMENT),
         "transformers": sys.modules["transformers"].__version__,
         "attn": attn,
         "length": length,
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def failed(attn: str, length: int, status: str, reason: str) -> dict:
-    return {**records.context(EXPERIMENT), "attn": attn, "length": length, "status": status,
+    return {**records.make("check", EXPERIMENT), "attn": attn, "length": length, "status": status,
             "reason": reason}  # fmt: skip
 
 

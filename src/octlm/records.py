@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("bench", "ring", "peak", "verify", "train_step", "eval")
+KINDS = ("bench", "ring", "peak", "verify", "train_step", "eval", "check")
 MACHINE = ("torch", "device", "threads", "host_cpu")
 NUMBER = (int, float)
 # What a record of each kind must carry for a report to read it: field -> accepted types.
@@ -39,6 +39,7 @@ REQUIRED: dict[str, dict[str, tuple]] = {
     "verify": {"experiment": (str,), "check": (str,), "left": (str,), "passed": (bool,)},
     "train_step": {"step": (int,), "loss": NUMBER},
     "eval": {"step": (int,), "val_loss": NUMBER},
+    "check": {"experiment": (str,)},  # a side measurement README quotes; the report skips it
 }
 # Fields an ``ok`` measurement must carry as numbers.
 MEASURED = {"seconds_median": NUMBER, "extra_bytes": (int,), "peak_bytes": (int,)}
@@ -79,8 +80,9 @@ def machine(device: str | torch.device = "cpu") -> dict:
 
 
 def new_run() -> str:
-    """A fresh run id: UTC time to the second, then random hex (sorts by time)."""
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    """A fresh run id: UTC time to the microsecond, then random hex, so ids sort by time even
+    for runs started within one second."""
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     return f"{now}-{uuid.uuid4().hex[:8]}"
 
 

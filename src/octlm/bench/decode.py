@@ -143,7 +143,7 @@ def measure(args: argparse.Namespace, context: int, generator: torch.Generator) 
 
     def write(stage: str, name: str, meter: Meter, **fields) -> None:
         record = {
-            **records.context(EXPERIMENT), "stage": stage, "attention": name,
+            **records.make("check", EXPERIMENT), "stage": stage, "attention": name,
             "context": context, "batch": args.batch, "dtype": "float32",
             **{key: value for key, value in asdict(config).items() if key != "attention"},
             "head_size": config.head_size, **meter.fields, **fields, "pid": os.getpid(),

@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     load_after = os.getloadavg()
     if ("flex mask", "build") in seconds:
         build_seconds = seconds.pop(("flex mask", "build"))
-    base = records.context(EXPERIMENT) | {
-        "kind": "bench",
+    base = records.make("check", EXPERIMENT) | {
         "dtype": "float32",
         "batch": 1,
         "heads": args.heads,

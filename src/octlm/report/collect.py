@@ -59,7 +59,7 @@ def collect(paths: Iterable[str | os.PathLike]) -> Collected:
                 found.peaks.append(record)
             elif kind == "verify":
                 verify.append(record)
-            else:
+            elif kind in ("train_step", "eval"):
                 found.train.append({**record, "source": str(path)})
     found.verify = latest_runs(verify)
     return found

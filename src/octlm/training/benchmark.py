@@ -134,7 +134,7 @@ def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 3)
                 bare.append(_bare_loop(model_config, run, steps))
             extras = _extras(model_config, run, corpus, Path(scratch))
             bare_step = run.batch * run.length / statistics.median(bare)  # seconds
-            record = records.context("train-overhead") | {
+            record = records.make("check", "train-overhead") | {
                 "length": length, "batch": run.batch, "steps": steps, "repeats": repeats,
                 "extras_seconds": extras, "bare_step_seconds": bare_step,
                 "extras_share": sum(extras.values()) / bare_step,
@@ -163,7 +163,7 @@ def attention(output: str, lengths=(1024, 4096), dtypes=("float32", "bfloat16"),
                         "--sample-tokens", "0",
                     ]  # fmt: skip
                     finished = subprocess.run(command, capture_output=True, text=True)
-                    record = records.context("train-attention") | {
+                    record = records.make("check", "train-attention") | {
                         "attention": name, "length": length, "dtype": dtype, "batch": 1,
                         "steps": steps, "status": "ok" if finished.returncode == 0 else "error",
                     }  # fmt: skip
