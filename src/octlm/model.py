@@ -431,9 +431,9 @@ class OctLM(nn.Module):
         if document_ids is not None:
             self._check_documents(tokens, document_ids, cache, positions)
         past = 0 if cache is None else cache.length
-        positions = self._positions(tokens, past, positions)  # (T,)
+        positions = self._positions(tokens, past, positions)  # (T,), length checked
         if document_ids is not None:
-            positions = document_positions(document_ids)  # (B, T)
+            positions = document_positions(document_ids)  # (B, T), each document from 0
         if cache is not None:  # every check before the first layer writes into the cache
             weight = self.embedding.weight
             cache.prepare(self.config, tokens, weight.dtype, weight.device)
@@ -453,6 +453,7 @@ class OctLM(nn.Module):
         cache: KVCache | None,
         positions: Tensor | None,
     ) -> None:
+        """Refuse, before anything runs, ``document_ids`` that this call cannot use."""
         if not isinstance(document_ids, Tensor):
             raise TypeError(
                 f"document_ids must be a torch.Tensor or None, got {type(document_ids).__name__}"
@@ -460,7 +461,7 @@ class OctLM(nn.Module):
         if (
             document_ids.is_floating_point()
             or document_ids.is_complex()
-            or (document_ids.dtype == torch.bool)
+            or document_ids.dtype == torch.bool
         ):
             raise TypeError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
         if document_ids.shape != tokens.shape:
@@ -577,7 +578,8 @@ def document_positions(document_ids: Tensor) -> Tensor:
 
     For a document in one run of tokens (as packing makes them) that is its index minus the
     index of the document's first token. Ids may also recur apart (docs/design.md §2 allows
-    it); counting within the document keeps the positions it would have alone.
+    it); counting within the document keeps the positions it would have alone (a ``window``
+    still counts distance in the row, so with one only documents in one run match).
     """
     length = document_ids.shape[1]
     order = document_ids.argsort(dim=1, stable=True)  # (B, T): each document's tokens, in order

@@ -236,6 +236,11 @@ class PackedBatches(Batches):
         pieces = -(-targets // self.length)  # (D,) a one-token document has none
         self.first_piece = pieces.cumsum(0) - pieces  # (D,) index of each document's first
         self.pieces = int(pieces.sum())
+        if self.pieces == 0:
+            raise ValueError(
+                f"packing needs a document of at least 2 tokens; these {len(self.starts)} "
+                "documents have 1 each"
+            )
 
     def next(self, batch: int) -> Batch:
         """The next global batch: inputs, targets and document ids ``(batch, length)``."""
