@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from octlm import KVCache, ModelConfig, OctLM
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge
+from octlm.model import document_positions
 from octlm.train import train
 
 IMPLEMENTATIONS = ("naive", "sdpa", "tiled")
@@ -146,6 +147,91 @@ def test_rope_positions_are_relative():
     # the float32 rounding of the cos/sin tables).
     shifted = model(tokens, positions=torch.arange(12) + 30)
     torch.testing.assert_close(shifted, default, rtol=0, atol=1e-6)
+
+
+# Two packed rows of 40 tokens: a document of one token, documents across the (8, 16) tiles'
+# edges, ids in no order.
+PACKED = torch.tensor(
+    [[0] * 5 + [1] + [2] * 13 + [3] * 17 + [4] * 4, [7] * 9 + [3] * 11 + [8] * 6 + [5] * 14]
+)
+
+
+def alone(model: OctLM, tokens: torch.Tensor, document_ids: torch.Tensor):
+    """``(row, places, logits)`` of every document of every row, run as a row of its own."""
+    for row, (ids, line) in enumerate(zip(document_ids, tokens, strict=True)):
+        for document in ids.unique():
+            places = (ids == document).nonzero().flatten()  # the document's tokens, in order
+            yield row, places, model(line[places].unsqueeze(0))[0]  # (n, V)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("attention", IMPLEMENTATIONS)
+def test_a_packed_row_gives_each_document_its_logits_and_gradients_alone(attention, window):
+    config = replace(SMALL, n_kv_heads=2, window=window)
+    model = same_weights(config, torch.float64)[attention]
+    tokens = tokens_for(2, 40)
+    weights = torch.randn(2, 40, SMALL.vocab_size, dtype=torch.float64)  # a loss linear in logits
+    packed = model(tokens, PACKED)  # (2, 40, V)
+    packed_grads = torch.autograd.grad((packed * weights).sum(), list(model.parameters()))
+    loss = 0
+    for row, places, logits in alone(model, tokens, PACKED):
+        torch.testing.assert_close(packed[row, places], logits, rtol=0, atol=1e-10)
+        loss = loss + (logits * weights[row, places]).sum()
+    for packed_grad, grad in zip(
+        packed_grads, torch.autograd.grad(loss, list(model.parameters())), strict=True
+    ):
+        assert packed_grad.abs().sum() > 0
+        torch.testing.assert_close(packed_grad, grad, rtol=0, atol=1e-10)
+
+    models = same_weights(config)  # float32, judged against the float64 model alone
+    tested = models[attention](tokens, PACKED).detach()  # (2, 40, V)
+    references = alone(model, tokens, PACKED)
+    for (row, places, base), (_, _, reference) in zip(
+        alone(models["naive"], tokens, PACKED), references, strict=True
+    ):
+        verdict = judge(tested[row, places], base.detach(), reference.detach())
+        assert verdict.passed, f"row {row}, tokens {places.tolist()}: {verdict}"
+
+
+def test_a_document_whose_tokens_recur_apart_counts_positions_within_itself():
+    ids = torch.tensor([[7] * 9 + [3] * 11 + [7] * 6 + [5] * 14])  # document 7 resumes at 20
+    assert document_positions(ids)[0, 18:22].tolist() == [9, 10, 9, 10]
+    tokens = tokens_for(1, 40)
+    for attention in ("naive", "tiled"):
+        model = same_weights(SMALL, torch.float64)[attention]
+        packed = model(tokens, ids)  # (1, 40, V)
+        for row, places, logits in alone(model, tokens, ids):
+            torch.testing.assert_close(packed[row, places], logits, rtol=0, atol=1e-10)
+
+
+IDS = torch.zeros(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    ("document_ids", "options", "error", "match"),
+    [
+        (IDS.tolist(), {}, TypeError, r"document_ids must be a torch.Tensor or None, got list"),
+        (IDS.float(), {}, TypeError, r"integer tensor, got torch.float32"),
+        (IDS.bool(), {}, TypeError, r"integer tensor, got torch.bool"),
+        (IDS[:, :3], {}, ValueError, r"shape of tokens \(2, 4\), got \(2, 3\)"),
+        (IDS.to("meta"), {}, ValueError, r"is on meta but tokens are on cpu"),
+        (IDS, {"positions": torch.arange(4)}, ValueError, r"pass positions or document_ids"),
+        (IDS, {"attention": "ring"}, ValueError, r"in \('naive', 'sdpa', 'tiled'\); 'ring'"),
+    ],
+)
+def test_bad_document_ids_raise(document_ids, options, error, match):
+    attention = options.pop("attention", SMALL.attention)
+    model = OctLM(replace(SMALL, attention=attention))
+    with pytest.raises(error, match=match):
+        model(torch.zeros(2, 4, dtype=torch.long), document_ids, **options)
+
+
+def test_document_ids_with_a_cache_are_refused_before_anything_is_written():
+    model = OctLM(SMALL).eval()
+    cache = KVCache(SMALL)
+    with pytest.raises(ValueError, match=r"KVCache: decoding packed rows is not supported"):
+        model(torch.zeros(2, 4, dtype=torch.long), IDS, cache=cache)
+    assert cache.length == 0 and not cache.keys
 
 
 def test_dropout_only_while_training():

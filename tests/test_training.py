@@ -7,6 +7,7 @@ takes about a second; what they check (exact resume, errors, records) does not d
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import itertools
 import json
@@ -46,6 +47,14 @@ def write_corpus(folder: Path, documents: int = 12, size: int = 600) -> Path:
         path = folder / f"part{index % 2}" / f"doc{index}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(text)
+    return folder
+
+
+def write_short_documents(folder: Path) -> Path:
+    """40 documents of 2 to 40 bytes: packed rows of 16 hold several, and padding."""
+    write_corpus(folder, documents=40, size=40)
+    for index, path in enumerate(sorted(folder.rglob("*.txt"))):
+        path.write_bytes(path.read_bytes()[: 2 + index * 7 % 39])
     return folder
 
 
@@ -134,23 +143,66 @@ def test_batches_are_shifted_windows_and_resume_from_their_state(corpus, tmp_pat
     data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
     tokens = data.load_tokens(tmp_path / "tokens", "train", 16)
     batches = data.Batches(tokens, 16, seed=3)
-    inputs, targets = batches.next(5)  # (5, 16) each
+    inputs, targets, document_ids = batches.next(5)  # (5, 16) each
     assert inputs.shape == targets.shape == (5, 16) and inputs.dtype == torch.int64
-    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert torch.equal(inputs[:, 1:], targets[:, :-1]) and document_ids is None
     state = batches.state_dict()
     expected = batches.next(5)
     again = data.Batches(tokens, 16, seed=99)
     again.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in zip(again.next(5), expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(again.next(5)[:2], expected[:2], strict=True))
 
 
 def test_evaluation_batches_span_the_split(corpus, tmp_path):
     data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
     tokens = data.load_tokens(tmp_path / "tokens", "val", 16)
     found = data.evaluation_batches(tokens, 16, batch=4, count=3)
-    assert len(found) == 3 and all(x.shape == (4, 16) for x, _ in found)
+    assert len(found) == 3 and all(batch.inputs.shape == (4, 16) for batch in found)
     assert torch.equal(found[0][0][0], tokens[:16].long())  # the first window starts at 0
     assert torch.equal(found[-1][1][-1], tokens[-16:].long())  # the last target is the end
+
+
+def test_tokens_record_where_documents_start(corpus, tmp_path):
+    data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
+    documents = data.find_documents(corpus, "**/*.txt")
+    held_out = [d for d in documents if data.path_fraction(d.relative_to(corpus)) < 0.3]
+    for split, chosen in (
+        ("val", held_out),
+        ("train", [d for d in documents if d not in held_out]),
+    ):
+        sizes = [d.stat().st_size for d in chosen]
+        expected = [sum(sizes[:index]) for index in range(len(sizes))]
+        assert data.load_starts(tmp_path / "tokens", split).tolist() == expected
+
+
+@pytest.mark.parametrize("length", [4, 7])
+def test_packed_rows_hold_whole_documents_or_row_sized_pieces(length):
+    # Tokens are their own positions, so every row shows where it was cut from.
+    sizes = [1, 3, 9, 2, 1, 5, 17, 4, 8]  # one-token documents, and ones longer than a row
+    starts = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))])
+    ends = [s + n for s, n in zip(starts.tolist(), sizes, strict=True)]
+    tokens = torch.arange(sum(sizes))
+    batches = data.PackedBatches(tokens, length, seed=0, starts=starts)
+    inputs, targets, document_ids = batches.next(200)  # (200, length) each
+    pieces = set()
+    for row, (line, target, ids) in enumerate(zip(inputs, targets, document_ids, strict=True)):
+        start = int(line[0])
+        first = bisect.bisect_right(starts.tolist(), start) - 1
+        assert (start - starts[first]) % length == 0 and start < ends[first] - 1, row
+        pieces.add(start)
+        window = [min(start + j, len(tokens) - 1) for j in range(length + 1)]
+        assert line.tolist() == window[:-1]
+        assert ids.tolist() == [bisect.bisect_right(ends, start + j) for j in range(length)]
+        for j in range(length):  # a target counts iff it stays in a whole document (or piece)
+            document = bisect.bisect_right(ends, start + j)
+            whole = document == first or ends[document] <= start + length + 1
+            counted = whole and start + j + 1 < ends[document]
+            assert int(target[j]) == (start + j + 1 if counted else data.IGNORED), (row, j)
+    expected_pieces = {
+        s + k * length for s, n in zip(starts.tolist(), sizes, strict=True)
+        for k in range(-(-(n - 1) // length))
+    }  # fmt: skip
+    assert pieces == expected_pieces  # 200 rows draw every piece of this corpus
 
 
 # --- configuration and schedule ---------------------------------------------------------------
@@ -193,6 +245,7 @@ def test_parameter_count_is_the_models():
         ({"max_length": 8}, {"length": 16}, "length (16) exceeds max_length (8)"),
         ({"attention": "ring"}, {}, "--context-parallel"),
         ({}, {"fsdp": True, "context_parallel": True}, "cannot be combined"),
+        ({}, {"pack": True, "context_parallel": True}, "takes document_ids"),
     ],
 )
 def test_bad_configuration_raises(model, run, message):
@@ -258,14 +311,20 @@ def test_loss_falls(corpus, tmp_path):
     assert outcome.val_loss < math.log(256) - 1.0  # far below a uniform guess over bytes
 
 
-def test_resumed_run_repeats_the_uninterrupted_losses_exactly(corpus, tmp_path):
-    model_config, run = configs(corpus)
+@pytest.mark.parametrize("pack", [False, True])
+def test_resumed_run_repeats_the_uninterrupted_losses_exactly(corpus, tmp_path, pack):
+    corpus = write_short_documents(tmp_path / "short") if pack else corpus
+    model_config, run = configs(corpus, pack=pack)
     model_config = replace(model_config, dropout=0.1)  # dropout's RNG must resume too
     train(model_config, run, tmp_path / "whole", progress=False)
     train(model_config, run, tmp_path / "cut", progress=False)
     cut = tmp_path / "cut"
     for later in checkpoint.listed(cut)[2:]:  # as if stopped right after step 4
         later.unlink()
+    if not pack:  # a run older than --pack has no such field: it resumes as unpacked
+        stored = json.loads((cut / "config.json").read_text())
+        del stored["run"]["pack"]
+        (cut / "config.json").write_text(json.dumps(stored))
     outcome = train(model_config, run, cut, resume=True, progress=False)
     assert outcome.step == 6
     assert losses(cut) == losses(tmp_path / "whole")  # exact, float for float
@@ -276,8 +335,10 @@ def test_resumed_run_repeats_the_uninterrupted_losses_exactly(corpus, tmp_path):
     assert evaluations(cut) == evaluations(tmp_path / "whole")
 
 
-def test_accumulation_equals_the_whole_batch(corpus, tmp_path):
-    model_config, run = configs(corpus)
+@pytest.mark.parametrize("pack", [False, True])
+def test_accumulation_equals_the_whole_batch(corpus, tmp_path, pack):
+    corpus = write_short_documents(tmp_path / "short") if pack else corpus
+    model_config, run = configs(corpus, pack=pack)  # rows count unequal numbers of targets
     train(model_config, run, tmp_path / "whole", progress=False)
     train(model_config, replace(run, accumulate=2), tmp_path / "halves", progress=False)
     whole, halves = losses(tmp_path / "whole"), losses(tmp_path / "halves")

@@ -219,7 +219,8 @@ def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair ``(x[i], x[i + D/2])`` of ``x (B, heads, T, D)`` by its angle."""
+    """Rotate each pair ``(x[i], x[i + D/2])`` of ``x (B, heads, T, D)`` by its angle; ``cos``
+    and ``sin`` are ``(1, T, D)`` (positions shared by the rows) or ``(B, 1, T, D)``."""
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)  # (B, heads, T, D)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -238,7 +239,11 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None = None
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        cache: KVCache | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         batch, length, width = x.shape
         query, key, value = self._project(x, rope)  # (B, H, T, D), (B, Hkv, T, D) x 2
@@ -248,11 +253,12 @@ class Attention(nn.Module):
         tuning = {
             name: getattr(self.config, name) for name in impl.tuning if hasattr(self.config, name)
         }
+        documents = {} if document_ids is None else {"document_ids": document_ids}
         # Causal is bottom-right aligned, so one rule serves a full sequence and a chunk after
         # cached keys: the structure is described, never materialised as a T x K mask.
         attended = impl.function(
             query, key, value, causal=True, window=self.config.window,
-            dropout_p=self.dropout.p if self.training else 0.0, **tuning,
+            dropout_p=self.dropout.p if self.training else 0.0, **documents, **tuning,
         )  # (B, H, T, D)  # fmt: skip
         attended = attended.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
         return self.dropout(self.output(attended))
@@ -298,9 +304,13 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None = None
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        cache: KVCache | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache)  # (B, T, C)
+        x = x + self.attention(self.attention_norm(x), rope, cache, document_ids)  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
 
 
@@ -401,28 +411,86 @@ class OctLM(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def forward(
-        self, tokens: Tensor, cache: KVCache | None = None, positions: Tensor | None = None
+        self,
+        tokens: Tensor,
+        document_ids: Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Logits ``(B, T, V)`` for int64 ``tokens (B, T)``.
 
+        ``document_ids`` (int ``(B, T)``) packs several documents into a row: a token attends
+        only to the tokens of its own document, and its RoPE position is its place within that
+        document, so each document gets the logits it would get alone (docs/design.md §2).
         With ``cache``, the tokens continue the cached sequence: their keys and values are
         appended and they attend to everything before them. ``positions`` (int64 ``(T,)``)
         gives the tokens' absolute positions for RoPE; by default they follow the cache,
-        ``past + arange(T)``.
+        ``past + arange(T)``. Documents take neither a cache nor ``positions``.
         """
         self._check_tokens(tokens)
+        if document_ids is not None:
+            self._check_documents(tokens, document_ids, cache, positions)
         past = 0 if cache is None else cache.length
-        positions = self._positions(tokens, past, positions)  # (T,)
+        positions = self._positions(tokens, past, positions)  # (T,), length checked
+        if document_ids is not None:
+            positions = document_positions(document_ids)  # (B, T), each document from 0
         if cache is not None:  # every check before the first layer writes into the cache
             weight = self.embedding.weight
             cache.prepare(self.config, tokens, weight.dtype, weight.device)
-        rope = (self.cos[positions], self.sin[positions])  # (T, D) x 2
+        # (1, T, D) or (B, 1, T, D), broadcast over heads
+        rope = (self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3))
         x = self.embedding(tokens)  # (B, T, C)
         for block in self.blocks:
-            x = block(x, rope, cache)  # (B, T, C)
+            x = block(x, rope, cache, document_ids)  # (B, T, C)
         if cache is not None:
             cache.length += tokens.shape[1]
         return F.linear(self.norm(x), self.embedding.weight)  # (B, T, V)
+
+    def _check_documents(
+        self,
+        tokens: Tensor,
+        document_ids: Tensor,
+        cache: KVCache | None,
+        positions: Tensor | None,
+    ) -> None:
+        """Refuse, before anything runs, ``document_ids`` that this call cannot use."""
+        if not isinstance(document_ids, Tensor):
+            raise TypeError(
+                f"document_ids must be a torch.Tensor or None, got {type(document_ids).__name__}"
+            )
+        if (
+            document_ids.is_floating_point()
+            or document_ids.is_complex()
+            or document_ids.dtype == torch.bool
+        ):
+            raise TypeError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
+        if document_ids.shape != tokens.shape:
+            raise ValueError(
+                f"document_ids must have the shape of tokens {tuple(tokens.shape)}, "
+                f"got {tuple(document_ids.shape)}"
+            )
+        if document_ids.device != tokens.device:
+            raise ValueError(
+                f"document_ids is on {document_ids.device} but tokens are on {tokens.device}"
+            )
+        if cache is not None:
+            raise ValueError(
+                "document_ids cannot be combined with a KVCache: decoding packed rows is not "
+                "supported; decode each document in its own row"
+            )
+        if positions is not None:
+            raise ValueError(
+                "document_ids set the RoPE positions (each document counts from 0): "
+                "pass positions or document_ids, not both"
+            )
+        name = self.config.attention
+        if "document_ids" not in implementation(name).features:
+            accepting = tuple(
+                n for n, impl in IMPLEMENTATIONS.items() if "document_ids" in impl.features
+            )
+            raise ValueError(
+                f"document_ids need attention in {accepting}; {name!r} does not take them"
+            )
 
     def _check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64:
@@ -503,6 +571,24 @@ class OctLM(nn.Module):
 
 
 FILE_FORMAT = "octlm.OctLM/1"
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """Each token's RoPE position ``(B, T)``: how many tokens of its document precede it.
+
+    For a document in one run of tokens (as packing makes them) that is its index minus the
+    index of the document's first token. Ids may also recur apart (docs/design.md §2 allows
+    it); counting within the document keeps the positions it would have alone (a ``window``
+    still counts distance in the row, so with one only documents in one run match).
+    """
+    length = document_ids.shape[1]
+    order = document_ids.argsort(dim=1, stable=True)  # (B, T): each document's tokens, in order
+    grouped = document_ids.gather(1, order)  # (B, T)
+    index = torch.arange(length, device=document_ids.device).expand_as(order)  # (B, T)
+    first = torch.ones_like(grouped, dtype=torch.bool)  # (B, T): a document's first token
+    first[:, 1:] = grouped[:, 1:] != grouped[:, :-1]
+    start = torch.where(first, index, 0).cummax(dim=1).values  # (B, T)
+    return torch.empty_like(order).scatter_(1, order, index - start)  # (B, T)
 
 
 def saved_config(state: object) -> ModelConfig:

@@ -48,6 +48,12 @@ class RunConfig:
     data: str | None = _option(None, "a text file or folder (default: this Python's stdlib)")
     glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
     val_share: float = _option(0.1, "share of documents held out for validation")
+    pack: bool = _option(
+        False,
+        "fill each row with whole documents that attend only within themselves (documents "
+        "longer than a row are cut into row-sized pieces; the rest of a row is padding)",
+        action="store_true",
+    )
     steps: int = _option(1000, "optimizer steps")
     batch: int = _option(16, "sequences per optimizer step, over all ranks and --accumulate")
     length: int = _option(128, "tokens per sequence")
@@ -201,19 +207,29 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
         raise ValueError(f"byte tokens need vocab_size >= {VOCAB}, got {model.vocab_size}")
     if run.length > model.max_length:
         raise ValueError(f"length ({run.length}) exceeds max_length ({model.max_length})")
+    if run.pack and "document_ids" not in IMPLEMENTATIONS[model.attention].features:
+        takes = tuple(n for n, impl in IMPLEMENTATIONS.items() if "document_ids" in impl.features)
+        raise ValueError(
+            f"--pack needs attention that takes document_ids {takes}, got {model.attention!r}"
+            + (" (--context-parallel runs ring attention)" if run.context_parallel else "")
+        )
     if model.attention == "ring" and not run.context_parallel:
         raise ValueError("attention 'ring' runs only with --context-parallel under torchrun")
 
 
 def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
-    """Raise ValueError naming every field where a resumed run departs from ``stored``."""
-    resolved = to_dict(model, run)
+    """Raise ValueError naming every field where a resumed run departs from ``stored``.
+
+    A field ``stored`` lacks (the run is older than the field) had its default value.
+    """
+    resolved = json.loads(json.dumps(to_dict(model, run)))
+    defaults = json.loads(json.dumps(to_dict(ModelConfig(), RunConfig())))
     differences = [
-        f"{table}.{name}: {stored[table].get(name)!r} in the run, {value!r} now"
+        f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")
         for name, value in resolved[table].items()
         if not (table == "run" and name in RESUMABLE)
-        and json.loads(json.dumps(value)) != stored[table].get(name)
+        and value != (was := stored[table].get(name, defaults[table][name]))
     ]
     if differences:
         raise ValueError(

@@ -8,7 +8,12 @@ bytes is held out instead.
 
 Tokens are the bytes themselves (vocabulary 256). They are written once to ``train.bin`` and
 ``val.bin`` and read back with ``torch.from_file``, a memory map: a corpus larger than memory
-costs only the pages that batches touch.
+costs only the pages that batches touch. Beside each, ``train.starts.bin`` and
+``val.starts.bin`` hold where each document starts (int64 offsets), for packed batches.
+
+A batch's rows are either random windows of the token stream (``Batches``), which may straddle
+documents, or whole documents packed into rows and kept apart by ``document_ids``
+(``PackedBatches``, ``octlm train --pack``).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import hashlib
 import json
 import os
 import sysconfig
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -30,6 +37,8 @@ STDLIB_GLOB = "**/*.py"
 # Installed packages are not the standard library, wherever an interpreter keeps them.
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 SUMMARY = "data.json"
+STARTS = "{split}.starts.bin"
+IGNORED = -100  # a target that counts for nothing (F.cross_entropy's default ignore_index)
 
 
 def default_corpus() -> tuple[Path, str]:
@@ -78,7 +87,9 @@ def held_out(relatives: list[Path], val_share: float) -> set[Path]:
 def write_tokens(
     path: str | os.PathLike, glob: str, val_share: float, folder: str | os.PathLike
 ) -> dict:
-    """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus; return its summary.
+    """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus, and where each
+    document starts in them (``folder/train.starts.bin``, ``folder/val.starts.bin``); return the
+    corpus's summary.
 
     The summary (also saved as ``folder/data.json``) counts documents and bytes per split and
     the empty files skipped. Raises ValueError for an empty corpus or an empty split.
@@ -94,6 +105,7 @@ def write_tokens(
         else set()
     )
     outputs = {split: (folder / f".{split}.bin.tmp").open("wb") for split in SPLITS}
+    starts = {split: array("q") for split in SPLITS}  # int64 offsets of documents
     try:
         for document in documents:
             text = document.read_bytes()
@@ -107,6 +119,7 @@ def write_tokens(
                 split = "val" if document.relative_to(path) in validation else "train"
                 parts = {split: text}
             for split, part in parts.items():
+                starts[split].append(summary[f"{split}_bytes"])
                 outputs[split].write(part)
                 summary[f"{split}_documents"] += 1
                 summary[f"{split}_bytes"] += len(part)
@@ -122,6 +135,8 @@ def write_tokens(
                 f"train and {summary['val_documents']} validation documents at val_share "
                 f"{val_share}); add documents or change --val-share"
             )
+    for split in SPLITS:
+        (folder / STARTS.format(split=split)).write_bytes(starts[split].tobytes())
         os.replace(folder / f".{split}.bin.tmp", folder / f"{split}.bin")
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -145,11 +160,30 @@ def load_tokens(folder: str | os.PathLike, split: str, length: int) -> Tensor:
     return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
 
 
-def windows(tokens: Tensor, starts: Tensor, length: int) -> tuple[Tensor, Tensor]:
+def load_starts(folder: str | os.PathLike, split: str) -> Tensor:
+    """Where each document of one split starts ``(D,)`` int64, ascending from 0."""
+    path = Path(folder) / STARTS.format(split=split)
+    if not path.is_file():
+        raise ValueError(
+            f"{str(path)!r} is missing: these token files were written without document "
+            "offsets, which packing needs; start a new run (or --overwrite this one)"
+        )
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.int64)
+
+
+class Batch(NamedTuple):
+    """One batch of rows: what the model reads, what it should predict, and its documents."""
+
+    inputs: Tensor  # (B, T) int64
+    targets: Tensor  # (B, T) int64, IGNORED where no target counts
+    document_ids: Tensor | None = None  # (B, T) int64 for packed rows
+
+
+def windows(tokens: Tensor, starts: Tensor, length: int) -> Batch:
     """Inputs and next-token targets ``(B, length)`` int64 at ``starts (B,)``."""
     offsets = torch.arange(length + 1)  # (length + 1,)
     window = tokens[starts.view(-1, 1) + offsets].long()  # (B, length + 1)
-    return window[:, :-1], window[:, 1:]
+    return Batch(window[:, :-1], window[:, 1:])
 
 
 @dataclass
@@ -167,7 +201,7 @@ class Batches:
     def __post_init__(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
 
-    def next(self, batch: int) -> tuple[Tensor, Tensor]:
+    def next(self, batch: int) -> Batch:
         """The next global batch: inputs and targets ``(batch, length)`` int64."""
         starts = torch.randint(
             len(self.tokens) - self.length, (batch,), generator=self.generator
@@ -181,9 +215,51 @@ class Batches:
         self.generator.set_state(state["generator"])
 
 
-def evaluation_batches(
-    tokens: Tensor, length: int, batch: int, count: int
-) -> list[tuple[Tensor, Tensor]]:
+@dataclass
+class PackedBatches(Batches):
+    """Rows of whole documents, each kept to itself by ``document_ids``.
+
+    A document of more than ``length + 1`` tokens is cut into pieces of ``length`` targets
+    (``length + 1`` tokens; each piece's first token is the last of the one before, so no
+    target is lost). A row starts at a piece drawn uniformly: a piece that fills the row is
+    the row; a document's last piece is followed by the whole documents that fit. What
+    remains of the row is padding (the start of the next document, kept to itself), and
+    targets that cross into another document or into padding are ``IGNORED``.
+    """
+
+    starts: Tensor  # (D,) int64: where each document starts in tokens
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.ends = torch.cat([self.starts[1:], torch.tensor([len(self.tokens)])])  # (D,)
+        targets = (self.ends - self.starts - 1).clamp(min=0)  # (D,)
+        pieces = -(-targets // self.length)  # (D,) a one-token document has none
+        self.first_piece = pieces.cumsum(0) - pieces  # (D,) index of each document's first
+        self.pieces = int(pieces.sum())
+        if self.pieces == 0:
+            raise ValueError(
+                f"packing needs a document of at least 2 tokens; these {len(self.starts)} "
+                "documents have 1 each"
+            )
+
+    def next(self, batch: int) -> Batch:
+        """The next global batch: inputs, targets and document ids ``(batch, length)``."""
+        piece = torch.randint(self.pieces, (batch,), generator=self.generator)  # (B,)
+        document = torch.searchsorted(self.first_piece, piece, right=True) - 1  # (B,)
+        start = self.starts[document] + (piece - self.first_piece[document]) * self.length
+        limit = start + self.length + 1  # (B,) one past the row's last token
+        fitting = torch.searchsorted(self.ends, limit, right=True).sub(1).clamp(min=0)  # (B,)
+        fitting = self.ends[fitting]  # (B,) the last document end within the row
+        end = torch.where(self.ends[document] >= limit, limit, fitting)  # (B,) whole documents
+        position = start.view(-1, 1) + torch.arange(self.length + 1)  # (B, length + 1)
+        window = self.tokens[position.clamp(max=len(self.tokens) - 1)].long()
+        ids = torch.searchsorted(self.ends, position, right=True)  # (B, length + 1)
+        kept = (ids[:, 1:] == ids[:, :-1]) & (position[:, 1:] < end.view(-1, 1))  # (B, length)
+        targets = window[:, 1:].masked_fill(~kept, IGNORED)
+        return Batch(window[:, :-1], targets, ids[:, :-1])
+
+
+def evaluation_batches(tokens: Tensor, length: int, batch: int, count: int) -> list[Batch]:
     """``count`` fixed batches whose windows are spread evenly over the whole split."""
     last = len(tokens) - length - 1
     starts = torch.linspace(0, last, count * batch).round().long()  # (count * batch,)

@@ -1,8 +1,11 @@
 """The training loop, top to bottom: folder, data, model, then steps with evals and checkpoints.
 
-One optimizer step draws the global batch ``(B, T)`` (the same on every rank), keeps this
-rank's rows (or, under context parallelism, all rows and this rank's positions), cuts them into
+One optimizer step draws the global batch ``(B, T)`` (the same on every rank): random windows,
+or with ``pack`` rows of whole documents kept apart by ``document_ids``. It keeps this rank's
+rows (or, under context parallelism, all rows and this rank's positions), cuts them into
 ``accumulate`` micro-batches, and adds their gradients; then clipping, AdamW, the schedule.
+The loss is the mean over the targets the global batch counts (packing ignores some), so
+accumulation and ranks leave it unchanged.
 Every source of randomness is seeded and checkpointed (weights, batch positions, dropout), so
 on CPU in float32 a run resumed from step ``k`` repeats the uninterrupted run's losses exactly.
 """
@@ -99,7 +102,13 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         optimizer, warmup=run.warmup, steps=run.steps, min_ratio=run.min_lr_ratio
     )
     scaler = torch.amp.GradScaler(cluster.device.type, enabled=run.dtype == "float16")
-    batches = data.Batches(tokens["train"], run.length, run.seed)
+    batches = (
+        data.PackedBatches(
+            tokens["train"], run.length, run.seed, data.load_starts(folder / DATA_FOLDER, "train")
+        )
+        if run.pack
+        else data.Batches(tokens["train"], run.length, run.seed)
+    )
     validation = data.evaluation_batches(tokens["val"], run.length, run.batch, run.eval_batches)
     torch.manual_seed(run.seed + cluster.rank)  # dropout differs between ranks' rows
     metrics = Metrics(folder, cluster.device, enabled=cluster.is_main)
@@ -123,10 +132,8 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     last_eval, stopped_by = None, None
     step = start
     for step in range(start + 1, run.steps + 1):
-        inputs, targets = batches.next(run.batch)  # (B, T) each, the same on every rank
-        loss, grad_norm, lr = _step(
-            model, raw, inputs, targets, optimizer, scaler, autocast, run, cluster
-        )
+        batch = batches.next(run.batch)  # (B, T) each, the same on every rank
+        loss, grad_norm, lr = _step(model, raw, batch, optimizer, scaler, autocast, run, cluster)
         scheduler.step()
         bar.update()
         tokens_seen += run.batch * run.length
@@ -275,33 +282,40 @@ def _save(folder, step, raw, optimizer, scheduler, scaler, batches, model_config
     cluster.barrier()
 
 
-def _loss(model: nn.Module, inputs: Tensor, targets: Tensor, cluster: Cluster) -> Tensor:
-    """This rank's loss: the mean over its rows, or its share of the whole batch's mean (CP)."""
+def _loss(model: nn.Module, micro: data.Batch, share: float, cluster: Cluster) -> Tensor:
+    """This rank's part of the batch's mean loss: its micro-batch's summed token losses over
+    ``share``, the targets the whole batch counts per data rank (gradients are averaged over
+    data ranks, so the parts add up to the mean)."""
     if cluster.mode == "context":
-        return context_parallel_loss(model, inputs, targets)
-    logits = model(inputs)  # (B, T, V)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return context_parallel_loss(model, micro.inputs, micro.targets) * (
+            micro.targets.numel() / share
+        )
+    logits = model(micro.inputs, micro.document_ids)  # (b, T, V)
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1), micro.targets.flatten(), ignore_index=data.IGNORED,
+        reduction="sum",
+    )  # fmt: skip
+    return total / share
 
 
-def _micro_batches(inputs: Tensor, targets: Tensor, run: RunConfig, cluster: Cluster):
-    """This rank's rows of a global batch, cut into ``accumulate`` equal micro-batches."""
-    parts = zip(
-        cluster.rows(inputs).chunk(run.accumulate),
-        cluster.rows(targets).chunk(run.accumulate),
-        strict=True,
-    )
-    for x, y in parts:
-        yield x.to(cluster.device), y.to(cluster.device)  # (b, T) each
+def _micro_batches(batch: data.Batch, run: RunConfig, cluster: Cluster):
+    """This rank's rows of a global batch, cut into ``accumulate`` equal micro-batches, and the
+    share of the batch's counted targets each rank's losses are divided by."""
+    share = int((batch.targets != data.IGNORED).sum()) / cluster.data_ranks
+    rows = [None if part is None else cluster.rows(part).chunk(run.accumulate) for part in batch]
+    for index in range(run.accumulate):
+        parts = (None if part is None else part[index].to(cluster.device) for part in rows)
+        yield data.Batch(*parts), share  # (b, T) each
 
 
-def _step(model, raw, inputs, targets, optimizer, scaler, autocast, run, cluster):
+def _step(model, raw, batch, optimizer, scaler, autocast, run, cluster):
     """One optimizer step on this rank's part of the global batch; (loss, grad norm, lr)."""
     device = cluster.device
     total = torch.zeros((), device=device)
-    for index, (x, y) in enumerate(_micro_batches(inputs, targets, run, cluster)):
+    for index, (micro, share) in enumerate(_micro_batches(batch, run, cluster)):
         with distributed.gradient_sync(model, enabled=index == run.accumulate - 1):
             with autocast:
-                loss = _loss(model, x, y, cluster) / run.accumulate
+                loss = _loss(model, micro, share, cluster)
             scaler.scale(loss).backward()
         total += loss.detach()
     distributed.finish_gradients(raw, cluster)
@@ -320,11 +334,12 @@ def _evaluate(model, raw, validation, autocast, run, model_config, cluster):
     """Mean loss over the fixed validation batches, its bits per byte, and a greedy sample."""
     model.eval()
     losses = []
-    for inputs, targets in validation:  # (B, T) each
-        for x, y in _micro_batches(inputs, targets, run, cluster):
+    for batch in validation:  # (B, T) each
+        loss = 0.0
+        for micro, share in _micro_batches(batch, run, cluster):
             with autocast:
-                loss = _loss(model, x, y, cluster)
-            losses.append(cluster.total(loss).item())
+                loss += cluster.total(_loss(model, micro, share, cluster)).item()
+        losses.append(loss)
     model.train()
     val_loss = sum(losses) / len(losses)
     sampler = _sampling_model(raw, model_config, cluster)
@@ -372,7 +387,8 @@ def _announce(
     print(
         f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
         f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, {run.dtype}; "
-        f"batch {run.batch} x {run.length} tokens, steps {start + 1}..{run.steps}"
+        f"batch {run.batch} x {run.length} tokens{', packed' if run.pack else ''}, "
+        f"steps {start + 1}..{run.steps}"
     )
 
 
