@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from octlm.attention import IMPLEMENTATIONS, tiled_attention
 from octlm.equality import judge
 
 
@@ -105,3 +106,18 @@ def assert_judged(tested: Tensor, base: Tensor, golden: Tensor, factor: float = 
     """docs/design.md §4: within factor x the plain method's error (+ atol) of the fp64 golden."""
     verdict = judge(tested, base, golden, factor=factor)
     assert verdict.passed, str(verdict)
+
+
+def tiled(block):
+    """``tiled_attention`` with its ``block`` bound."""
+    return lambda *args, **kw: tiled_attention(*args, block=block, **kw)
+
+
+def implementations_with(feature: str, block=(16, 32)) -> dict:
+    """Every registered implementation that takes ``feature``, tiled with small blocks (so
+    short inputs still cut into several)."""
+    return {
+        name: tiled(block) if "block" in impl.tuning else impl.function
+        for name, impl in IMPLEMENTATIONS.items()
+        if feature in impl.features
+    }

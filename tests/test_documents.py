@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from octlm.attention import IMPLEMENTATIONS, naive_attention, tiled_attention
-from tests.helpers import assert_judged, make_qkv, reference
+from octlm.attention import naive_attention, tiled_attention
+from tests.helpers import assert_judged, implementations_with, make_qkv, reference, tiled
 
 BLOCKS = [1, 16, 64, 100, (16, 64), (100, 7), (512, 256)]
 
@@ -43,16 +43,8 @@ def inputs(layout: str, dtype=torch.float32, seed=0):
     return query, key, value, ids
 
 
-def tiled(block):
-    return lambda *args, **kw: tiled_attention(*args, block=block, **kw)
-
-
 # Every registered implementation that takes the keyword, tiled with small blocks.
-SINGLE_PROCESS = {
-    name: tiled((16, 32)) if "block" in impl.tuning else impl.function
-    for name, impl in IMPLEMENTATIONS.items()
-    if "document_ids" in impl.features
-}
+SINGLE_PROCESS = implementations_with("document_ids")
 
 
 @pytest.mark.parametrize("name", SINGLE_PROCESS)

@@ -10,20 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octlm.attention import IMPLEMENTATIONS, naive_attention, tiled_attention
-from tests.helpers import assert_judged, make_qkv, reference
-
-
-def tiled(block):
-    return lambda *args, **kw: tiled_attention(*args, block=block, **kw)
-
+from octlm.attention import naive_attention, tiled_attention
+from tests.helpers import assert_judged, implementations_with, make_qkv, reference, tiled
 
 # Every registered implementation that takes the keyword, tiled with small blocks.
-SINGLE_PROCESS = {
-    name: tiled((16, 32)) if "block" in impl.tuning else impl.function
-    for name, impl in IMPLEMENTATIONS.items()
-    if "sinks" in impl.features
-}
+SINGLE_PROCESS = implementations_with("sinks")
 BLOCKS = [1, 16, 64, (16, 64), (100, 7), (512, 256)]
 HEADS = 4
 
