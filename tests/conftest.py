@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Deliver Ctrl-C. A run started in the background of a non-interactive shell inherits
+    SIGINT as ignored, and so would every process the tests spawn; the tests that press Ctrl-C
+    on a run need it to arrive. A handler (unlike "ignored") is reset to the default in a
+    spawned program, so its children get Python's own Ctrl-C handling too."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
