@@ -540,3 +540,20 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     calls.clear()
     _timed(lambda: calls.append("step"), torch.device("cuda"))
     assert calls == ["sync", "step", "sync"]
+
+
+def test_extra_memory_is_the_workers_own_even_from_a_large_driver(tmp_path):
+    """A worker's memory baseline must not start at its driver's peak: the kernel carries
+    getrusage's peak across exec, and a driver larger than the worker once made every call's
+    extra memory 0."""
+    ballast = torch.ones(96 * 2**20, dtype=torch.uint8)  # the driver's resident set grows
+    output = tmp_path / "bench.jsonl"
+    argv = [
+        "bench", "--backends", "naive", "--lengths", "1024", "--dtypes", "float32",
+        "--heads", "4", "--head-size", "16", "--repeats", "1", "--output", str(output),
+        "--no-peak",
+    ]  # fmt: skip
+    assert main(argv) == 0 and ballast.sum() > 0
+    [row] = [r for r in records.read(output) if r["kind"] == "bench"]
+    scores = 4 * 1024 * 1024 * 4  # one float32 (H, Q, K) score matrix
+    assert row["status"] == "ok" and row["extra_bytes"] >= scores

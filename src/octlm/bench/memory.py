@@ -1,7 +1,8 @@
 """Memory probes for one measurement, and what the score matrices of MATH and naive would need.
 
-CPU: ``ru_maxrss``, the process's lifetime peak resident set (KiB on Linux, bytes on macOS);
-the baseline is the same figure just before the measured call, so ``peak - baseline`` is what
+CPU: ``ru_maxrss``, the process's lifetime peak resident set (read as VmHWM on Linux, which
+leaves out the peak of the process that spawned it; bytes from ``getrusage`` elsewhere); the
+baseline is the same figure just before the measured call, so ``peak - baseline`` is what
 the call added on top of interpreter, torch and inputs. CUDA: ``max_memory_allocated`` after
 ``reset_peak_memory_stats``, baseline ``memory_allocated``. Process RSS says nothing about GPU
 allocation and is never reported as a GPU figure.
@@ -48,6 +49,17 @@ def peak(device: str) -> int:
 
 
 def _max_rss() -> int:
+    """This process's peak resident bytes. On Linux, VmHWM of /proc/self/status: the peak of
+    this program's own memory. ``ru_maxrss`` there also carries the peak of the process that
+    spawned it (the kernel keeps it across exec), so a worker started by a large driver would
+    report the driver's peak as its own baseline and every call's extra memory as 0."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     kib_or_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib_or_bytes if sys.platform == "darwin" else kib_or_bytes * 1024
 
