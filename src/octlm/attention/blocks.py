@@ -21,6 +21,7 @@ costs one matmul per block with no copy of key or value. ``G = heads // kv_heads
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from octlm.attention.masks import (
     key_range,
     padding_mask,
 )
+from octlm.attention.threads import parallel_map, workers
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -43,6 +45,8 @@ CEILING = 2.0**16
 # Rows and keys per tile. Tuned on a 2-core CPU at 8,192 tokens, 8 heads of 32: smaller tiles
 # pay Python overhead per block, larger ones fall out of cache.
 DEFAULT_BLOCK = (512, 256)
+# The fewest query rows per block when blocks are cut smaller to give every CPU thread work.
+THREAD_ROWS = 64
 # Query rows per block (heads of a group included) from which the shift rides in the matmul.
 FUSED_SHIFT_ROWS = 64
 # The largest shift (in score units) the backward lets ride in the matmul: inside it, the
@@ -154,7 +158,7 @@ class BlockWalk:
         self._mixed: set[tuple[int, int]] = set()  # block pairs that need the document mask
         self.cap = None if softcap is None else softcap * units.unit  # in the walk's units
         self.alibi = None if alibi is None else alibi.to(keys.dtype) * -units.unit  # in units
-        self.keep_tanh, self.tanh = keep_tanh, None
+        self.keep_tanh = keep_tanh
         self.past, self.causal, self.window, self.mask = past, causal, window, mask
         self.units, self.careful = units, careful
         self.block_q, self.block_k = block
@@ -162,18 +166,41 @@ class BlockWalk:
         self.block_map = block_map
         if block_map is not None:
             self.block_q, self.block_k = block_map.block
+        # Enough query blocks for every CPU thread to take two (see threads.py), down to
+        # THREAD_ROWS rows a block: a batch of 1,024-token rows is otherwise two blocks.
+        elif (shares := 2 * workers(keys.device)) > 2 and self.q_len >= shares * THREAD_ROWS:
+            self.block_q = min(self.block_q, -(-self.q_len // shares))
         # Decoding and short chunks: widen the key block so the score tile, not the Python
         # loop, sets the cost; the tile stays at most block_q x block_k per group.
         elif self.q_len < self.block_q:
             self.block_k = self.block_k * self.block_q // max(self.q_len, 1)
         self.keys = keys
-        self._buffers: dict[str, Tensor] = {}
+        self._local = threading.local()  # query blocks may run on several threads at once
         self._edges: dict[tuple[int, int, int], Tensor] = {}
         self._distances: dict[tuple[int, int, int], Tensor] = {}
 
     def query_blocks(self):
         for start in range(0, self.q_len, self.block_q):
             yield range(start, min(start + self.block_q, self.q_len))
+
+    def largest_first(self) -> list[range]:
+        """The query blocks, those that see the most keys first, so that blocks handed out to
+        threads one at a time end together."""
+
+        return sorted(self.query_blocks(), key=lambda rows: len(self.key_span(rows)), reverse=True)
+
+    def key_span(self, rows: range) -> range:
+        """The keys that the causal and window rules and the padding let ``rows`` see."""
+        return key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
+
+    def groups(self) -> list[list[range]]:
+        """The query blocks dealt round-robin into groups, one group a task for
+        :func:`parallel_map`: two per worker (a slowed worker takes fewer), each largest first.
+        The backward sums each group's key gradients apart and then the groups in this order,
+        so its result does not depend on which thread ran what."""
+        blocks = self.largest_first()
+        count = min(len(blocks), 2 * workers(self.keys.device))
+        return [blocks[first::count] for first in range(count)]
 
     def key_blocks(self, rows: range):
         keys = key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
@@ -218,10 +245,16 @@ class BlockWalk:
     def tile(self, name: str, *shape: int) -> Tensor:
         """A reused buffer of ``shape`` (contiguous), one per ``name``."""
         numel = math.prod(shape)
-        buffer = self._buffers.get(name)
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(name)
         if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[name] = self.keys.new_empty(numel)
+            buffer = buffers[name] = self.keys.new_empty(numel)
         return buffer[:numel].view(shape)
+
+    @property
+    def tanh(self) -> Tensor:
+        """This thread's last tile of ``tanh(scores / softcap)`` (``keep_tanh``)."""
+        return self._local.tanh
 
     def unfold_tile(self, scores: Tensor, rows: range, columns: range, transposed: bool):
         """A score tile as a ``(B, Hkv, R, G, C)`` view, whichever way it was computed."""
@@ -276,7 +309,7 @@ class BlockWalk:
         if self.cap is not None:  # bounded scores: the shift logic of §7 holds as it is
             scores.div_(self.cap).tanh_()
             if self.keep_tanh:
-                self.tanh = self.tile("tanh", *scores.shape).copy_(scores)
+                self._local.tanh = self.tile("tanh", *scores.shape).copy_(scores)
             scores.mul_(self.cap)
         whole = fully_visible(rows, columns, self.past, self.causal, self.window)
         padded = columns.stop > self.shortest or columns.start < self.latest
@@ -541,7 +574,7 @@ def _forward_pass(
     shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
     total = torch.empty_like(shift)  # (B, Hkv, Q, G)
 
-    for rows in walk.query_blocks():
+    def attend(rows: range) -> None:  # one query block; blocks run concurrently on CPU
         state = OnlineSoftmax(walk, walk.rows(folded, rows), rows, fused, head_size)
         poison = None
         for columns in walk.key_blocks(rows):
@@ -571,6 +604,8 @@ def _forward_pass(
         out[:, :, rows.start : rows.stop] = result.view(*shape, head_size)
         shift[:, :, rows.start : rows.stop] = state.shift.view(shape)
         total[:, :, rows.start : rows.stop] = state.running_sum.view(shape)
+
+    parallel_map(attend, walk.largest_first(), query.device)
     rows = RowStats(unfold_heads(shift), unfold_heads(total), units, careful)
     return unfold_heads(out), rows
 
@@ -689,44 +724,65 @@ def attend_backward(
     key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
     value = _as_3d(value)  # (B*Hkv, K, D)
     grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
-    grad_key = torch.zeros_like(value)  # (B*Hkv, K, D), in units of folded queries
-    grad_value = torch.zeros_like(value)  # (B*Hkv, K, D)
 
-    # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
-    for rows in walk.query_blocks():
-        q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
-        q_plain = _as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
-        shift_row = None if fused else _as_3d(walk.rows(shift, rows)).transpose(1, 2)
-        do_block = _as_3d(walk.rows(grad_folded, rows))  # (B*Hkv, R, D)
-        delta_row = _as_3d(walk.rows(delta, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
-        dq_t = q_plain.new_zeros(q_plain.shape[0], head_size, q_plain.shape[1])  # (B*Hkv, D, R)
-        for columns in walk.key_blocks(rows):
-            keys_here = slice(columns.start, columns.stop)
-            products = walk.tile("products", value.shape[0], len(columns), head_size)
-            probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (B*Hkv, C, R)
-            if shift_row is not None:
-                probs_t.sub_(shift_row)
-            units.exp_(probs_t)  # exp(score - shift): probabilities times total
-            grad_value[:, keys_here] += torch.bmm(probs_t, do_block, out=products)
-            grad_scores_t = torch.bmm(
-                value[:, keys_here], do_block.transpose(1, 2),
-                out=walk.tile("grad_t", *probs_t.shape),
-            )  # (B*Hkv, C, R), d loss / d probsᵀ  # fmt: skip
-            grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
-            if grad_mask is not None:
-                grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
-                    grad_scores_t, rows, columns, transposed=True
-                )
-            if grad_alibi is not None:  # the bias is -slope * distance
-                tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
-                grad_alibi -= torch.einsum("bkrgc,rc->bkg", tile, walk.distance(rows, columns))
-            if softcap is not None:  # through the cap: d tanh = 1 - tanh²
-                grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
-            grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
-            dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
-        grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
-            walk.batch, kv_heads, len(rows), walk.group, head_size
-        )
+    def attend(blocks: list[range]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The gradients from some query blocks; ``dk``, ``dv`` (and the slopes') summed over
+        them, into their own tensors, so that groups of blocks can run concurrently."""
+        stop = min(walk.k_len, max(walk.key_span(rows).stop for rows in blocks))
+        grad_key = value.new_zeros(value.shape[0], stop, head_size)  # (B*Hkv, K', D)
+        grad_value = torch.zeros_like(grad_key)  # (B*Hkv, K', D)
+        grad_slopes = None if grad_alibi is None else torch.zeros_like(grad_alibi)
+        # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
+        for rows in blocks:
+            q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
+            q_plain = _as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
+            shift_row = None if fused else _as_3d(walk.rows(shift, rows)).transpose(1, 2)
+            do_block = _as_3d(walk.rows(grad_folded, rows))  # (B*Hkv, R, D)
+            delta_row = _as_3d(walk.rows(delta, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
+            dq_t = q_plain.new_zeros(q_plain.shape[0], head_size, len(rows) * walk.group)
+            # dq_t: (B*Hkv, D, R)
+            for columns in walk.key_blocks(rows):
+                keys_here = slice(columns.start, columns.stop)
+                products = walk.tile("products", value.shape[0], len(columns), head_size)
+                probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (B*Hkv, C, R)
+                if shift_row is not None:
+                    probs_t.sub_(shift_row)
+                units.exp_(probs_t)  # exp(score - shift): probabilities times total
+                grad_value[:, keys_here] += torch.bmm(probs_t, do_block, out=products)
+                grad_scores_t = torch.bmm(
+                    value[:, keys_here], do_block.transpose(1, 2),
+                    out=walk.tile("grad_t", *probs_t.shape),
+                )  # (B*Hkv, C, R), d loss / d probsᵀ  # fmt: skip
+                grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
+                if grad_mask is not None:
+                    grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
+                        grad_scores_t, rows, columns, transposed=True
+                    )
+                if grad_alibi is not None:  # the bias is -slope * distance
+                    tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
+                    far = walk.distance(rows, columns)  # (R, C)
+                    grad_slopes -= torch.einsum("bkrgc,rc->bkg", tile, far)
+                if softcap is not None:  # through the cap: d tanh = 1 - tanh²
+                    grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
+                grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
+                dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
+            grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
+                walk.batch, kv_heads, len(rows), walk.group, head_size
+            )
+        return grad_key, grad_value, grad_slopes
+
+    parts = parallel_map(attend, walk.groups(), query.device)
+    if len(parts) == 1 and parts[0][0].shape == value.shape:  # one group over every key
+        grad_key, grad_value = parts[0][:2]
+    else:
+        grad_key = torch.zeros_like(value)  # (B*Hkv, K, D)
+        grad_value = torch.zeros_like(value)  # (B*Hkv, K, D)
+        for part_key, part_value, _ in parts:  # summed in a fixed order
+            grad_key[:, : part_key.shape[1]] += part_key
+            grad_value[:, : part_value.shape[1]] += part_value
+    for _, _, part_slopes in parts:
+        if part_slopes is not None:
+            grad_alibi += part_slopes
     kv_shape = (walk.batch, kv_heads, walk.k_len, head_size)
     grad_key, grad_value = grad_key.view(kv_shape), grad_value.view(kv_shape)
     # grad_key was taken against scale * unit * q; dividing by the unit brings it to scale * q.

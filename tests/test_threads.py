@@ -1,0 +1,103 @@
+"""Query blocks on CPU threads (octlm.attention.threads): the threads take the caller's modes,
+leave PyTorch's thread count as they found it, and do not change results."""
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+from octlm.attention import naive_attention, tiled_attention
+from octlm.attention.threads import parallel_map, workers
+from tests.helpers import assert_judged, make_qkv, reference
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_items_run_on_single_threaded_workers_and_come_back_in_order(two_threads):
+    def look(item):
+        return item, threading.current_thread().name, torch.get_num_threads(), workers(CPU)
+
+    results = parallel_map(look, list(range(6)), CPU)
+    assert [item for item, *_ in results] == list(range(6))
+    assert all(name.startswith("octlm-blocks") for _, name, _, _ in results)
+    assert all(threads == 1 for _, _, threads, _ in results)
+    assert all(nested == 1 for *_, nested in results)  # a call from a worker runs inline
+    assert torch.get_num_threads() == 2
+
+
+def test_fewer_items_than_threads_run_inline(two_threads):
+    results = parallel_map(lambda _: threading.current_thread().name, [0], CPU)
+    assert results == [threading.current_thread().name]
+
+
+def test_an_error_in_a_block_is_raised_and_the_thread_count_restored(two_threads):
+    def fail(item):
+        if item == 3:
+            raise ValueError("block 3")
+        return item
+
+    with pytest.raises(ValueError, match="block 3"):
+        parallel_map(fail, list(range(6)), CPU)
+    assert torch.get_num_threads() == 2
+
+
+def test_workers_take_the_callers_grad_and_inference_modes(two_threads):
+    def modes(_):
+        return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    with torch.no_grad():
+        assert set(parallel_map(modes, [0, 1, 2], CPU)) == {(False, False)}
+    with torch.inference_mode():
+        assert set(parallel_map(modes, [0, 1, 2], CPU)) == {(False, True)}
+    assert set(parallel_map(modes, [0, 1, 2], CPU)) == {(True, False)}
+
+
+def test_tiled_under_inference_mode_matches_the_reference(two_threads):
+    query, key, value = make_qkv(batch=1, heads=2, kv_heads=2, q_len=256, head_size=16)
+    with torch.inference_mode():
+        out = tiled_attention(query, key, value, block=32)
+    assert_judged(out, naive_attention(query, key, value), reference(query, key, value))
+
+
+def test_threaded_backward_is_reproducible_bit_for_bit(two_threads):
+    """The key gradients are summed per group of query blocks and then in a fixed order, so
+    which thread ran which group does not show in the result."""
+    query, key, value = make_qkv(batch=1, heads=4, kv_heads=2, q_len=384, head_size=16)
+    grad_out = torch.randn_like(query)
+
+    def gradients():
+        leaves = [x.clone().requires_grad_() for x in (query, key, value)]
+        tiled_attention(*leaves, block=32).backward(grad_out)
+        return [leaf.grad for leaf in leaves]
+
+    first = gradients()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(first, gradients(), strict=True))
+    torch.set_num_threads(1)  # inline: another grouping of the same sums
+    inline = gradients()
+    for threaded, alone in zip(first, inline, strict=True):
+        torch.testing.assert_close(threaded, alone, rtol=1e-5, atol=1e-6)
+
+
+def _child(queue):
+    queue.put(parallel_map(lambda x: x * 2, [1, 2, 3], CPU))
+
+
+def test_a_forked_child_starts_its_own_pool(two_threads):
+    parallel_map(lambda x: x, [1, 2, 3], CPU)  # the parent's pool exists
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(queue,))
+    child.start()
+    assert queue.get(timeout=60) == [2, 4, 6]
+    child.join(timeout=60)
+    assert child.exitcode == 0
