@@ -127,3 +127,16 @@ def test_softcap_bounds_extreme_scores():
         out = tiled_attention(query * 1e3, key, value, block=block, softcap=20.0)
         golden = reference(query * 1e3, key, value, softcap=20.0)
         assert (out - golden).abs().max() < 1e-12
+
+
+def test_sinks_alone_set_the_lse_when_there_are_no_keys():
+    """With no key at all the sink is each row's whole denominator: out is 0, lse the sink."""
+    query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=5, head_size=8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    out, lse = tiled_attention(
+        query, key[:, :, :0], value[:, :, :0], causal=False, sinks=sinks, return_lse=True
+    )
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, sinks.detach().view(1, 4, 1).expand(2, 4, 5))
+    out.sum().backward()
+    assert torch.equal(sinks.grad, torch.zeros_like(sinks))

@@ -543,7 +543,12 @@ def _forward_pass(
     units = Units.choose(mask, dtype)
     if 0 in query.shape or 0 in key.shape:  # no rows, or no keys to see: zeros, as naive gives
         nothing = query.new_zeros(query.shape[:-1], dtype=dtype)  # (B, H, Q)
-        return query.new_zeros(query.shape, dtype=dtype), RowStats(nothing, nothing, units)
+        if sinks is None:
+            return query.new_zeros(query.shape, dtype=dtype), RowStats(nothing, nothing, units)
+        # The sink alone is in each row's denominator: its log-sum-exp is the sink's logit.
+        shift = (sinks.to(dtype) * units.unit).view(1, -1, 1).expand_as(nothing).contiguous()
+        rows = RowStats(shift, torch.ones_like(nothing), units)
+        return query.new_zeros(query.shape, dtype=dtype), rows
     float_mask = mask is not None and mask.is_floating_point()
     rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
     # The fused shift costs a copy of the keys with a column of ones: worth it when each key

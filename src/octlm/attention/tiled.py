@@ -161,7 +161,8 @@ def tiled_attention(
             blocks are skipped and its full ones get no mask; its blocks are the tiles
             (``block`` is not used then).
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
-            q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
+            q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key (the
+            sink's logit with ``sinks``, which is always in the denominator).
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
             picks its own tiles) for CUDA tensors when Triton is installed, no ``mask``,
             ``key_lengths`` is given, the dtype is not float64 and ``head_size <= 256``; the
