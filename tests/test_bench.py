@@ -21,8 +21,8 @@ import torch
 
 from octlm import records
 from octlm.attention.tiled import DEFAULT_BLOCK
-from octlm.bench import driver, ring
-from octlm.bench.suites import SUITES, Grid, suite
+from octlm.bench import driver, ring, worker
+from octlm.bench.suites import FEATURES, SUITES, Grid, Measurement, suite
 from octlm.bench.worker import FAULT_ENV, flops, matmul_peak
 from octlm.cli import main
 
@@ -353,14 +353,41 @@ def test_suites_expand_to_the_issue_grids():
     }
     train = suite("train")
     assert {m.backend for m in train if m.length == 16384} == {"math", "flash", "tiled"}
-    structure = {(m.q_len, m.length, m.window, m.padding, m.mode) for m in suite("structure")}
+    structure = {
+        (m.q_len, m.length, m.window, m.padding, m.feature, m.mode) for m in suite("structure")
+    }
     assert structure == {
-        (8192, 8192, 512, 0.0, "forward"), (8192, 8192, 512, 0.0, "train"),
-        (1024, 8192, 0, 0.0, "forward"), (1, 8192, 0, 0.0, "forward"),
-        (8192, 8192, 0, 0.5, "forward"),
+        (8192, 8192, 512, 0.0, None, "forward"), (8192, 8192, 512, 0.0, None, "train"),
+        (1024, 8192, 0, 0.0, None, "forward"), (1, 8192, 0, 0.0, None, "forward"),
+        (8192, 8192, 0, 0.5, None, "forward"), (8192, 8192, 0, 0.5, "left padding", "forward"),
+        *((8192, 8192, 0, 0.0, feature, mode) for feature in ("documents", "softcap", "alibi",
+          "sinks") for mode in ("forward", "train")),
     }  # fmt: skip
+    assert {m.backend for m in suite("structure")} == {"flash", "tiled", "math"}
     assert {m.device for m in suite("cuda")} == {"cuda"}
     assert set(SUITES) == {"baseline", "train", "structure", "cuda"}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_each_feature_reaches_tiled_and_sdpa_and_both_agree(feature):
+    """The worker's call gives tiled and SDPA (with its dense mask) the feature's keywords:
+    the two outputs agree, and differ from the call without the feature."""
+    m = replace(
+        Measurement("tiled", "forward", "float32", 2, 4, 2, 16, 64, 64, True, 0, 0.25,
+                    (16, 16), 1, 0, "cpu"),
+        feature=feature,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 64, 16, generator=generator) * 3  # scores of a few units
+    key, value = (torch.randn(2, 2, 64, 16, generator=generator) for _ in range(2))
+    keywords = worker.structure(m, torch.device("cpu"))
+    tiled = worker.attention_call(m, query, key, value, keywords)()
+    sdpa = worker.attention_call(replace(m, backend="math"), query, key, value, keywords)()
+    plain = replace(m, feature=None)  # right padding instead of left, for "left padding"
+    keywords = worker.structure(plain, torch.device("cpu"))
+    without = worker.attention_call(plain, query, key, value, keywords)()
+    assert (tiled - sdpa).abs().max() < 1e-5
+    assert (tiled - without).abs().max() > 1e-2
 
 
 def test_overrides_replace_the_suite_values_and_bad_ones_name_the_option():

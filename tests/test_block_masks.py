@@ -15,6 +15,7 @@ from octlm.attention.block_masks import (
     EMPTY,
     FULL,
     PARTIAL,
+    Pattern,
     causal_mod,
     chunked_mod,
     document_mod,
@@ -127,3 +128,45 @@ def test_empty_blocks_are_skipped_and_full_ones_unmasked(monkeypatch):
         (q, k) for q in range(6) for k in range(6) if k // 2 == q // 2 and k <= q
     }
     assert set(mask.pieces) == {(q, q) for q in range(6)}  # only the diagonal is partial
+
+
+# Named patterns whose block rules are checked against evaluating every place: the ones above,
+# unsorted document ids, and fewer queries than keys.
+SHUFFLED = torch.stack([torch.randperm(5, generator=torch.Generator().manual_seed(s))
+                        for s in (0, 1)])[:, torch.arange(LENGTH) * 5 // LENGTH]  # fmt: skip
+CLASSIFIED = {
+    **{name: (pattern, LENGTH) for name, (pattern, _) in PATTERNS.items() if name != "per head"},
+    "documents unsorted, not causal": (document_mod(SHUFFLED, LENGTH, causal=False), LENGTH),
+    "documents, 40 queries": (document_mod(IDS, 40), 40),
+    "causal, 40 queries": (causal_mod(40, LENGTH), 40),
+    "window, 40 queries": (sliding_window_mod(40, LENGTH, 9), 40),
+}
+
+
+@pytest.mark.parametrize("name", CLASSIFIED)
+@pytest.mark.parametrize("block", [(16, 16), (32, 24), 7, (64, 5), (512, 256)], ids=str)
+def test_block_rules_give_the_map_of_evaluating_every_place(name, block):
+    """A named pattern classifies whole blocks from their bounds and evaluates only the rest;
+    the same predicate as a plain function is evaluated everywhere. The maps must be equal."""
+    pattern, q_len = CLASSIFIED[name]
+    fast = block_mask(pattern, 2, 4, q_len, LENGTH, block=block)
+    everywhere = block_mask(lambda *index: pattern(*index), 2, 4, q_len, LENGTH, block=block)
+    assert torch.equal(fast.state, everywhere.state)
+    assert fast.pieces.keys() == everywhere.pieces.keys()
+    for pair, piece in everywhere.pieces.items():
+        assert torch.equal(fast.pieces[pair], piece), pair
+
+
+def test_named_patterns_evaluate_only_the_blocks_an_edge_crosses():
+    """Causal at 256 tokens in blocks of 32: only the 8 diagonal blocks are looked at place by
+    place; every other block is settled from its bounds."""
+    pattern = causal_mod(256, 256)
+    evaluated = []
+
+    def counting(b, h, q, k):
+        evaluated.append(q.numel() * k.numel())
+        return pattern(b, h, q, k)
+
+    mask = block_mask(Pattern(counting, pattern.classify), 1, 2, 256, 256, block=32)
+    assert sum(evaluated) == 8 * 32 * 32
+    assert set(mask.pieces) == {(q, q) for q in range(8)}

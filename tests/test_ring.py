@@ -19,7 +19,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from octlm.attention import naive_attention, ring_attention
-from octlm.attention.ring import gather_sequence, shard_positions, shard_sequence
+from octlm.attention.ring import (
+    _pieces,
+    _visible_pairs,
+    gather_sequence,
+    shard_positions,
+    shard_sequence,
+)
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge, max_abs_diff
 from octlm.model import ModelConfig, OctLM
 from octlm.parallel import (
@@ -48,6 +54,29 @@ ATTENTION_CASES = {
     "causal-zigzag-gqa-float32": (torch.float32, True, 0, "zigzag", 4, 2),
     "causal-zigzag-gqa-bfloat16": (torch.bfloat16, True, 0, "zigzag", 4, 2),
 }
+# Packed documents that cross every shard edge, and documents of one token; the second row
+# differs from the first, so a shard pair can share a document in one row and not the other.
+DOCUMENT_IDS = torch.stack([
+    torch.repeat_interleave(torch.arange(6), torch.tensor([1, 10, 7, 1, 20, 9])),
+    torch.repeat_interleave(torch.arange(4), torch.tensor([13, 1, 1, 33])),
+])  # (2, LENGTH)  # fmt: skip
+# name: the structure and score keywords, on the whole sequence (the same on every rank)
+FEATURES = {
+    "documents": lambda heads: {"document_ids": DOCUMENT_IDS},
+    "modifiers": lambda heads: {
+        "softcap": 2.0,
+        "alibi_slopes": torch.linspace(0.05, 0.4, 2 * heads, dtype=torch.float64).view(2, heads),
+        "sinks": torch.linspace(-1.0, 2.0, heads, dtype=torch.float64),
+    },
+}
+FEATURES["everything"] = lambda heads: FEATURES["documents"](heads) | FEATURES["modifiers"](heads)
+# name: (attention case as above, features)
+STRUCTURE_CASES = {
+    "documents-causal-zigzag-gqa-float64": ((torch.float64, True, 0, "zigzag", 4, 2), "documents"),
+    "documents-full-plain-mqa-float64": ((torch.float64, False, 0, "plain", 4, 1), "documents"),
+    "modifiers-causal-zigzag-gqa-float64": ((torch.float64, True, 0, "zigzag", 4, 2), "modifiers"),
+    "everything-window-plain-gqa-float32": ((torch.float32, True, 9, "plain", 4, 2), "everything"),
+}
 MODEL_WINDOWS = (0, 10)
 # name: what the error must say on every rank ("{last}" = the last rank, the odd one out)
 ERROR_CASES = {
@@ -60,37 +89,56 @@ ERROR_CASES = {
     "causal": ("differ in causal", "rank {last}: False"),
     "scale": ("differ in scale", "rank {last}: 0.5"),
     "mask-on-one-rank": ("refused on every rank", "rank {last}: ValueError: ring_attention takes"),
+    "documents-on-one-rank": ("differ in document_ids", "rank {last}: (2, 8)"),
 }
 
 
-def _attention_check(rank: int, world: int, case: tuple) -> str | None:
-    """Ring output and gradients vs the fp64 reference on the whole sequence; None if equal."""
+def _attention_check(rank: int, world: int, case: tuple, features: str | None = None) -> str | None:
+    """Ring output and gradients vs the fp64 reference on the whole sequence; None if equal.
+
+    With ``features``, also the structure and score keywords of :data:`FEATURES`: document
+    ids are sharded like the sequence, and the gradients of ALiBi slopes and sinks (each
+    rank's share) are summed over the ranks before they are judged.
+    """
     dtype, causal, window, layout, heads, kv_heads = case
     inputs = make_qkv(heads=heads, kv_heads=kv_heads, q_len=LENGTH, head_size=8, dtype=dtype)
     grad_out = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1))
     grad_out = grad_out.to(dtype)  # (B, H, T, D), the same on every rank
+    given = FEATURES[features](heads) if features else {}
+    learned = [name for name in ("alibi_slopes", "sinks") if name in given]
 
-    def full_result(attend, tensors):
-        tensors = [t.detach().clone().requires_grad_() for t in tensors]
-        out = attend(*tensors, causal=causal, window=window)
+    def leaves(tensors, precision):
+        return [t.detach().to(precision).clone().requires_grad_() for t in tensors]
+
+    def with_leaves(precision):  # the keywords, slopes and sinks as fresh leaves
+        return given | {name: leaves([given[name]], precision)[0] for name in learned}
+
+    def full_result(attend, precision):
+        tensors = leaves(inputs, precision)
+        extra = with_leaves(precision)
+        out = attend(*tensors, causal=causal, window=window, **extra)
         out.backward(grad_out.to(out.dtype))
-        return [out.detach()] + [t.grad for t in tensors]
+        return [out.detach()] + [t.grad for t in tensors + [extra[n] for n in learned]]
 
-    golden = full_result(reference, [t.double() for t in inputs])
-    base = full_result(naive_attention, inputs)
+    golden = full_result(reference, torch.float64)
+    base = full_result(naive_attention, dtype)
     local = [shard_sequence(t, rank, world, layout).requires_grad_() for t in inputs]
-    out = ring_attention(*local, causal=causal, window=window, layout=layout, block=BLOCK)
+    extra = with_leaves(dtype)
+    if "document_ids" in given:
+        extra["document_ids"] = shard_sequence(given["document_ids"], rank, world, layout, dim=1)
+    out = ring_attention(
+        *local, causal=causal, window=window, layout=layout, block=BLOCK, **extra
+    )  # fmt: skip
     out.backward(shard_sequence(grad_out, rank, world, layout))
     tested = [gather_sequence(t, layout=layout) for t in [out.detach()] + [t.grad for t in local]]
+    for name in learned:  # each rank holds its own rows' share
+        dist.all_reduce(extra[name].grad)
+        tested.append(extra[name].grad)
 
     failures = []
-    for name, tensors, factor in zip(
-        ("out", "dq", "dk", "dv"),
-        zip(tested, base, golden, strict=True),
-        (OUTPUT_FACTOR, GRADIENT_FACTOR, GRADIENT_FACTOR, GRADIENT_FACTOR),
-        strict=True,
-    ):
-        verdict = judge(*tensors, factor=factor)
+    names = ("out", "dq", "dk", "dv", *(f"d{name}" for name in learned))
+    for name, tensors in zip(names, zip(tested, base, golden, strict=True), strict=True):
+        verdict = judge(*tensors, factor=OUTPUT_FACTOR if name == "out" else GRADIENT_FACTOR)
         if not verdict.passed:
             failures.append(f"{name}: {verdict}")
     return "; ".join(failures) or None
@@ -147,6 +195,9 @@ def _error_check(rank: int, world: int, case: str) -> str | None:
         "causal": {"causal": not last},
         "scale": {"scale": 0.5 if last else None},
         "mask-on-one-rank": {"mask": torch.ones(8, 8, dtype=torch.bool) if last else None},
+        "documents-on-one-rank": {
+            "document_ids": torch.zeros(2, 8, dtype=torch.long) if last else None
+        },
     }.get(case, {})
     try:
         ring_attention(query, key, value, **options)
@@ -166,6 +217,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     results = {}
     for name, case in ATTENTION_CASES.items():
         results[f"attention/{name}"] = _attention_check(rank, world, case)
+    for name, (case, features) in STRUCTURE_CASES.items():
+        results[f"structure/{name}"] = _attention_check(rank, world, case, features)
     for window in MODEL_WINDOWS:
         results[f"model/window{window}"] = _model_check(rank, world, window)
     for case in ERROR_CASES:
@@ -202,6 +255,11 @@ def test_ring_attention_matches_reference(ring_results, case):
     _assert_passed(ring_results, f"attention/{case}")
 
 
+@pytest.mark.parametrize("case", STRUCTURE_CASES)
+def test_ring_attention_with_documents_and_modifiers_matches_reference(ring_results, case):
+    _assert_passed(ring_results, f"structure/{case}")
+
+
 @pytest.mark.parametrize("window", MODEL_WINDOWS)
 def test_context_parallel_model_matches_single_process(ring_results, window):
     _assert_passed(ring_results, f"model/window{window}")
@@ -230,6 +288,20 @@ def test_unknown_layout_raises():
 def test_length_the_layout_cannot_split_raises(layout, length):
     with pytest.raises(ValueError, match=f"sequence length {length}"):
         shard_sequence(torch.zeros(1, 1, length, 2), 0, 4, layout)
+
+
+def test_shard_pairs_that_share_no_document_are_skipped():
+    """Zigzag over 2 ranks, 16 tokens in 4 documents of 4 (one per chunk): rank 0 holds chunks
+    0 and 3, rank 1 chunks 1 and 2, so rank 0's queries share no document with rank 1's keys
+    and no pair is attended, where without documents all four would be."""
+    ids = torch.arange(16).div(4, rounding_mode="floor").unsqueeze(0)  # (1, 16)
+    options = {"causal": False, "window": 0}
+    queries, keys = _pieces(0, 2, "zigzag", 8), _pieces(1, 2, "zigzag", 8)
+    shard = [shard_sequence(ids, rank, 2, "zigzag", dim=1) for rank in (0, 1)]  # (1, 8) each
+    assert len(list(_visible_pairs(queries, keys, options, None, None))) == 4
+    assert not list(_visible_pairs(queries, keys, options, *shard))
+    own = list(_visible_pairs(queries, queries, options, shard[0], shard[0]))
+    assert [(q.start, k.start) for q, k, _, _ in own] == [(0, 0), (12, 12)]
 
 
 def test_shard_positions_cover_the_sequence_once():

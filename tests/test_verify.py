@@ -17,6 +17,7 @@ import torch
 
 import octlm.attention.tiled
 from octlm import cli, verify
+from octlm.verify.structure import STRUCTURES
 
 FIELDS = {
     # every record (records.make)
@@ -148,3 +149,21 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_check(tmp
     assert cli.main(["verify", "--out", str(blocker / "runs"), "--only", "training"]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and "cannot be written" in err
+
+
+def test_structure_cases_cover_every_implementation_and_catch_an_ignored_keyword(
+    tmp_path, monkeypatch
+):
+    """Every structure case runs in each single-process implementation that lists its keywords
+    (sdpa and tiled besides the naive base); a tiled that ignores document ids fails exactly
+    the document checks, output and gradients, and no other."""
+    monkeypatch.setattr(octlm.attention.tiled, "_documents", lambda document_ids, past: None)
+    argv = ["verify", "--quick", "--out", str(tmp_path), "--dtype", "float32", "--only"]
+    assert cli.main([*argv, "structure"]) == 1
+    found = lines(tmp_path)
+    covered = {(record["structure"], record["left"]) for record in found}
+    assert covered == {(name, left) for name in STRUCTURES for left in ("sdpa", "tiled")}
+    failed = {(record["structure"], record["left"]) for record in found if not record["passed"]}
+    assert failed == {("documents", "tiled"), ("documents, fewer queries than keys", "tiled")}
+    wrong = {record["check"].split(": ")[1] for record in found if not record["passed"]}
+    assert {"output", "gradient of query"} <= wrong

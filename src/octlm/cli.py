@@ -70,7 +70,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm bench``: a named suite, and options that override its grid."""
-    from octlm.bench.suites import ALIASES, BACKENDS, DTYPES, GRID_OPTIONS, MODES, SUITES
+    from octlm.bench.suites import ALIASES, BACKENDS, DTYPES, FEATURES, GRID_OPTIONS, MODES, SUITES
 
     parser.description = (
         "Run every measurement of a suite in its own process and append one record per "
@@ -126,6 +126,14 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
         dest="paddings",
         metavar="F",
         help="fraction of keys that are padding (key_lengths)",
+    )
+    grid.add_argument(
+        "--features",
+        nargs="+",
+        type=lambda name: None if name == "none" else name,
+        choices=[*FEATURES, None],
+        metavar="NAME",
+        help=f"structure or score keyword to add: {', '.join(FEATURES)}, or none",
     )
     grid.add_argument(
         "--block", nargs="+", type=int, metavar="B", help="tiled's block: B, or BLOCK_Q BLOCK_K"

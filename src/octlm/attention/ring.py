@@ -23,6 +23,13 @@ accumulation dtype that every rank adds its contribution to, and one last pass h
 finished gradients to their owner. Each block uses the global ``lse`` and
 ``delta = rowsum(dO * O)``, both local to the query's owner.
 
+Packed documents: each rank holds the document ids of its own positions, and they travel
+round with the key/value shard they describe (a few integers per token beside ``2 * heads *
+head_size`` numbers). A pair of pieces whose id ranges do not meet shares no document and is
+skipped whole; inside a pair, the block walk skips and unmasks blocks as in ``tiled``. The score
+modifiers act per tile in global positions (ALiBi's distance is the pieces' offset plus the
+in-piece one); sinks join each row once, after the last step, by one more :func:`merge`.
+
 Before the first exchange the ranks agree: one ``all_gather_object`` swaps each rank's dtype,
 device type, shapes and options (causal, window, layout, scale, block, ...) and the error its
 own checks raised, if any. Any difference, or any rank's error, raises one ``ValueError`` on
@@ -224,15 +231,17 @@ def _by_rank(values: list) -> str:
 def _check_call(
     query: Tensor, key: Tensor, value: Tensor, causal: bool, window: int, mask: Tensor | None,
     scale: float | None, dropout_p: float, key_lengths: Tensor | None, layout: str,
+    **features,
 ) -> Shape:  # fmt: skip
-    """This rank's own checks of a ring_attention call."""
+    """This rank's own checks of a ring_attention call; ``features`` are the structure and
+    score keywords (document ids of this rank's positions, softcap, ALiBi slopes, sinks)."""
     _check_layout(layout)
     for name, given in (("mask", mask), ("key_lengths", key_lengths)):
         if given is not None:
             raise ValueError(f"ring_attention takes no {name}; shard only causal/window rules")
     shape = check_inputs(
         query, key, value, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-        dropout_supported=False,
+        dropout_supported=False, **features,
     )  # fmt: skip
     if shape.q_len != shape.k_len:
         raise ValueError(
@@ -281,38 +290,63 @@ class _Ring:
 
 
 def _visible_pairs(
-    queries: list[Piece], keys: list[Piece], causal: bool, window: int
-) -> Iterator[tuple[Piece, Piece, int]]:
-    """``(query piece, key piece, past)`` for every pair that the rules do not hide entirely."""
+    queries: list[Piece], keys: list[Piece], options: dict, query_ids: Tensor | None,
+    key_ids: Tensor | None,
+) -> Iterator[tuple[Piece, Piece, int, tuple[Tensor, Tensor] | None]]:  # fmt: skip
+    """``(query piece, key piece, past, documents)`` for every pair that the rules do not hide
+    entirely. ``documents`` is ``(query ids (B, q.length), key ids (B, k.length))``, or None
+    without document ids; pairs whose id ranges do not meet in any batch element share no
+    document and are skipped (the block walk then skips inside the pairs it gets)."""
     for q in queries:
         for k in keys:
             past = q.start - k.start  # query row i sits at key position past + i of this piece
-            if len(key_range(range(q.length), k.length, past, causal, window)):
-                yield q, k, past
+            rows = range(q.length)
+            if not len(key_range(rows, k.length, past, options["causal"], options["window"])):
+                continue
+            documents = None
+            if query_ids is not None:
+                documents = query_ids[:, q.span], key_ids[:, k.span]  # (B, q), (B, k) lengths
+                q_low, q_high = documents[0].amin(dim=1), documents[0].amax(dim=1)  # (B,)
+                k_low, k_high = documents[1].amin(dim=1), documents[1].amax(dim=1)  # (B,)
+                if not bool(((q_low <= k_high) & (k_low <= q_high)).any()):
+                    continue
+            yield q, k, past, documents
 
 
 def _ring_forward(
-    query: Tensor, key: Tensor, value: Tensor, ring: _Ring, options: dict
-) -> tuple[Tensor, Tensor]:
-    """Normalised ``out (B, H, L, D)`` and ``lse (B, H, L)`` over all keys, accumulation dtype."""
+    query: Tensor, key: Tensor, value: Tensor, ids: Tensor | None, alibi_slopes: Tensor | None,
+    sinks: Tensor | None, ring: _Ring, options: dict,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Normalised ``out (B, H, L, D)`` and ``lse (B, H, L)`` over all keys, accumulation dtype.
+
+    ``ids (B, L)``, this rank's document ids, travel round with the key/value shard they
+    describe. A sink is no key: it joins each row once, after the ring, as one more logit
+    with no value.
+    """
     local_len = query.shape[2]
     queries = ring.pieces(ring.rank, local_len)
     dtype = accumulation_dtype(query.dtype)
     out = query.new_zeros(query.shape, dtype=dtype)  # (B, H, L, D)
     lse = query.new_full(query.shape[:-1], float("-inf"), dtype=dtype)  # (B, H, L)
+    shard = (key, value) if ids is None else (key, value, ids)
     for step in range(ring.world):
         owner = (ring.rank - step) % ring.world  # whose keys this rank holds now
-        arriving = ring.send_on(key, value) if step + 1 < ring.world else None
+        arriving = ring.send_on(*shard) if step + 1 < ring.world else None
+        key, value, key_ids = shard if ids is not None else (*shard, None)
         keys = ring.pieces(owner, local_len)
-        for q, k, past in _visible_pairs(queries, keys, options["causal"], options["window"]):
+        for q, k, past, documents in _visible_pairs(queries, keys, options, ids, key_ids):
             part_out, part_lse = attend_forward(
-                query[:, :, q.span], key[:, :, k.span], value[:, :, k.span], past=past, **options
-            )  # (B, H, q.length, D), (B, H, q.length)
+                query[:, :, q.span], key[:, :, k.span], value[:, :, k.span], past=past,
+                documents=documents, alibi_slopes=alibi_slopes, **options,
+            )  # (B, H, q.length, D), (B, H, q.length)  # fmt: skip
             out[:, :, q.span], lse[:, :, q.span] = merge(
                 out[:, :, q.span], lse[:, :, q.span], part_out, part_lse
             )
         if arriving is not None:
-            key, value = arriving()
+            shard = arriving()
+    if sinks is not None:  # (1, H, 1): the sink's logit, with an output of zero
+        sink = sinks.detach().to(dtype).view(1, -1, 1)
+        out, lse = merge(out, lse, out.new_zeros(()), sink)
     return out, lse
 
 
@@ -320,13 +354,17 @@ def _ring_backward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    out: Tensor,
+    ids: Tensor | None,
     lse: Tensor,
+    delta: Tensor,
     grad_out: Tensor,
     ring: _Ring,
     options: dict,
+    alibi_slopes: Tensor | None = None,
+    grad_alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq`` for this rank's queries and ``dk``/``dv`` for its own keys, accumulation dtype.
+    """``dq`` for this rank's queries and ``dk``/``dv`` for its own keys, accumulation dtype;
+    the ALiBi slopes' gradient from this rank's rows is added to ``grad_alibi`` when given.
 
     Each step's key/value gradients are handed on with the shard they belong to; the pass of
     one step's gradients overlaps the next step's compute.
@@ -334,20 +372,22 @@ def _ring_backward(
     local_len = query.shape[2]
     queries = ring.pieces(ring.rank, local_len)
     dtype = lse.dtype
-    delta = (grad_out.to(dtype) * out.to(dtype)).sum(dim=-1)  # (B, H, L)
     grad_query = torch.zeros_like(query, dtype=dtype)  # (B, H, L, D)
     grads_arriving = None
+    shard = (key, value) if ids is None else (key, value, ids)
     for step in range(ring.world):
         owner = (ring.rank - step) % ring.world
-        arriving = ring.send_on(key, value) if step + 1 < ring.world else None
+        arriving = ring.send_on(*shard) if step + 1 < ring.world else None
+        key, value, key_ids = shard if ids is not None else (*shard, None)
         grad_key = torch.zeros_like(key, dtype=dtype)  # (B, Hkv, L, D), for the owner's keys
         grad_value = torch.zeros_like(value, dtype=dtype)  # (B, Hkv, L, D)
         keys = ring.pieces(owner, local_len)
-        for q, k, past in _visible_pairs(queries, keys, options["causal"], options["window"]):
+        for q, k, past, documents in _visible_pairs(queries, keys, options, ids, key_ids):
             dq, dk, dv = attend_backward(
                 query[:, :, q.span], key[:, :, k.span], value[:, :, k.span],
                 grad_out[:, :, q.span], lse[:, :, q.span], delta[:, :, q.span],
-                past=past, **options,
+                past=past, documents=documents, alibi_slopes=alibi_slopes,
+                grad_alibi=grad_alibi, **options,
             )  # fmt: skip
             grad_query[:, :, q.span] += dq
             grad_key[:, :, k.span] += dk
@@ -359,30 +399,50 @@ def _ring_backward(
             grad_value += earlier_value
         grads_arriving = ring.send_on(grad_key, grad_value)
         if arriving is not None:
-            key, value = arriving()
+            shard = arriving()
     grad_key, grad_value = grads_arriving()  # the last pass brings this rank's own, complete
     return grad_query, grad_key, grad_value
 
 
 class _RingAttention(torch.autograd.Function):
-    """Autograd through the ring; saves query, key, value, output and lse only."""
+    """Autograd through the ring; saves query, key, value, output and lse (and the document
+    ids, slopes and sinks it was given).
+
+    The slopes' and sinks' gradients are this rank's rows' share: like every parameter's
+    gradient under context parallelism, the sum over ranks is the whole.
+    """
 
     @staticmethod
-    def forward(ctx, query, key, value, ring, options):
-        out, lse = _ring_forward(query, key, value, ring, options)
+    def forward(ctx, query, key, value, ids, alibi_slopes, sinks, ring, options):
+        out, lse = _ring_forward(query, key, value, ids, alibi_slopes, sinks, ring, options)
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.save_for_backward(query, key, value, ids, alibi_slopes, sinks, out, lse)
         ctx.ring, ctx.options = ring, options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, ids, alibi_slopes, sinks, out, lse = ctx.saved_tensors
+        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)  # (B, H, L)
+        grad_alibi = None
+        if alibi_slopes is not None and ctx.needs_input_grad[4]:
+            groups = query.shape[1] // key.shape[1]
+            grad_alibi = lse.new_zeros(query.shape[0], key.shape[1], groups)  # (B, Hkv, G)
         grad_query, grad_key, grad_value = _ring_backward(
-            query, key, value, out, lse, grad_out, ctx.ring, ctx.options
-        )
+            query, key, value, ids, lse, delta, grad_out, ctx.ring, ctx.options, alibi_slopes,
+            grad_alibi,
+        )  # fmt: skip
+        if grad_alibi is not None:  # (B, Hkv, G) -> the slopes' (H,) or (B, H)
+            full = alibi_slopes.view(-1, query.shape[1]).shape  # (1 or B, H)
+            grad_alibi = grad_alibi.flatten(1).sum_to_size(full).view(alibi_slopes.shape)
+            grad_alibi = grad_alibi.to(alibi_slopes.dtype)
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            # A sink takes p = exp(sink - lse) of its row and gives no value: -sum p * delta.
+            taken = (sinks.to(lse.dtype).view(1, -1, 1) - lse).exp()  # (B, H, L)
+            grad_sinks = -(taken * delta).sum(dim=(0, 2)).to(sinks.dtype)
         grads = grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
-        return *grads, None, None
+        return *grads, None, grad_alibi, grad_sinks, None, None
 
 
 def ring_attention(
@@ -397,6 +457,10 @@ def ring_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_lengths: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     layout: str = DEFAULT_LAYOUT,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
 ) -> Tensor:
@@ -417,6 +481,14 @@ def ring_attention(
             signature so that the registry can call every implementation alike).
         scale: score scale, ``1 / sqrt(head_size)`` by default.
         dropout_p: must be 0; ring attention has no attention dropout.
+        document_ids: int ``(batch, L)``, the document of each of this rank's positions
+            (``shard_sequence(ids, rank, world, layout, dim=1)`` of the whole sequence's ids):
+            a token sees only tokens of its own document. The ids travel round with the
+            key/value shard they describe; shard pairs that share no document are skipped.
+        softcap, alibi_slopes, sinks: the score modifiers of ``tiled_attention``, in global
+            positions. The gradients of slopes and sinks that require grad are this rank's
+            rows' share; summed over the ranks (as every parameter's gradient is under
+            context parallelism) they are the whole.
         layout: ``"zigzag"`` (rank r holds chunks r and 2W - 1 - r of 2W; balanced under
             causal) or ``"plain"`` (rank r holds chunk r of W).
         block: tile sizes for the local block computation, as in ``tiled_attention``.
@@ -425,8 +497,10 @@ def ring_attention(
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
     try:
-        shape = _check_call(query, key, value, causal, window, mask, scale, dropout_p,
-                            key_lengths, layout)  # fmt: skip
+        shape = _check_call(
+            query, key, value, causal, window, mask, scale, dropout_p, key_lengths, layout,
+            document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        )  # fmt: skip
         scale, block, problem = shape.scale, parse_block(block), None
     except (TypeError, ValueError) as error:
         problem = error
@@ -436,9 +510,14 @@ def ring_attention(
         "query shape": _shape(query), "key shape": _shape(key), "value shape": _shape(value),
         "causal": causal, "window": window, "layout": layout, "scale": scale, "block": block,
         "dropout_p": dropout_p, "mask": mask is not None, "key_lengths": key_lengths is not None,
+        "document_ids": _shape(document_ids), "softcap": softcap,
+        "alibi_slopes": _shape(alibi_slopes), "sinks": _shape(sinks),
     }  # fmt: skip
     group, rank, world = _agree(group, "ring_attention", description, problem)
-    options = dict(causal=causal, window=window, scale=scale, block=block)
+    options = dict(causal=causal, window=window, scale=scale, block=block, softcap=softcap)
     ring = _Ring(group, rank, world, layout)
     # Point-to-point sends need contiguous tensors (the model's values are a transposed view).
-    return _RingAttention.apply(query, key.contiguous(), value.contiguous(), ring, options)
+    ids = None if document_ids is None else document_ids.contiguous()
+    return _RingAttention.apply(
+        query, key.contiguous(), value.contiguous(), ids, alibi_slopes, sinks, ring, options
+    )

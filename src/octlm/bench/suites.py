@@ -13,6 +13,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from octlm.attention.tiled import DEFAULT_BLOCK
 
 BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "sketch", "triton")
+# The structure and score keywords a measurement may add (docs/design.md §2), each in one fixed
+# form: 8 packed documents of equal length; left padding of the ``padding`` fraction of keys
+# (``key_starts``, where ``padding`` alone is right padding by ``key_lengths``); a softcap of
+# 50 (Gemma 2's); ALiBi's usual slopes; one learnable sink per head.
+FEATURES = ("documents", "left padding", "softcap", "alibi", "sinks")
 MODES = ("forward", "train")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -25,7 +30,7 @@ class Measurement:
     (``q_len < length`` is a chunk of new tokens after a cache). ``padding`` is the fraction of
     keys hidden by ``key_lengths``. ``block`` is the tiled backend's ``(block_q, block_k)`` and
     ``None`` for the others. ``busy``: measured while the driver ran one CPU-bound competing
-    process beside it (``octlm bench --busy``).
+    process beside it (``octlm bench --busy``). ``feature``: one of :data:`FEATURES`, or None.
     """
 
     backend: str
@@ -45,6 +50,7 @@ class Measurement:
     warmup: int
     device: str
     busy: bool = False
+    feature: str | None = None
 
     def key(self) -> tuple:
         """What makes two measurements the same one (repeats and warm-up do not)."""
@@ -55,9 +61,11 @@ class Measurement:
         shape = f"{self.length}" if self.q_len == self.length else f"{self.q_len}x{self.length}"
         extra = "".join(
             f" {name}={value}"
-            for name, value in (("window", self.window), ("padding", self.padding))
+            for name, value in (
+                ("window", self.window), ("padding", self.padding), ("feature", self.feature)
+            )
             if value
-        )
+        )  # fmt: skip
         return f"{self.backend} {self.mode} {self.dtype} {shape}{extra}" + " busy" * self.busy
 
 
@@ -65,7 +73,8 @@ def key_of(record: dict) -> tuple:
     """:meth:`Measurement.key` of a record, so a file can say which measurements it holds."""
     known = [f for f in fields(Measurement) if f.name not in ("repeats", "warmup", "device")]
     names = [f.name for f in known]
-    # A field added later (``busy``) reads as its default in records written before it.
+    # A field added later (``busy``, ``feature``) reads as its default in records written
+    # before it.
     values = [record.get(f.name, f.default) for f in known]
     block = record.get("block")
     values[names.index("block")] = tuple(block) if block else None
@@ -85,6 +94,7 @@ class Grid:
     windows: tuple[int, ...] = (0,)
     paddings: tuple[float, ...] = (0.0,)
     busy: tuple[bool, ...] = (False,)  # (False, True): each point idle, then beside a competitor
+    features: tuple[str | None, ...] = (None,)
     batch: int = 1
     heads: int = 8
     kv_heads: int | None = None  # None: as many as heads
@@ -108,10 +118,13 @@ class Grid:
             self.windows,
             self.paddings,
             self.busy,
+            self.features,
             self.backends,
         )
         out = []
-        for length, head_size, dtype, mode, q_len, window, padding, busy, backend in combos:
+        for (
+            length, head_size, dtype, mode, q_len, window, padding, busy, feature, backend,
+        ) in combos:  # fmt: skip
             if q_len is not None and q_len > length:
                 continue  # more new queries than keys: not a cache shape
             out.append(
@@ -133,6 +146,7 @@ class Grid:
                     warmup=warmup,
                     device=self.device,
                     busy=busy,
+                    feature=feature,
                 )
             )
         return out
@@ -167,6 +181,11 @@ SUITES: dict[str, tuple[Grid, ...]] = {
         replace(_STRUCTURE, q_lens=(1024,)),
         replace(_STRUCTURE, q_lens=(1,)),
         replace(_STRUCTURE, paddings=(0.5,)),
+        # Packed documents, left padding, score modifiers and sinks: tiled computes them per
+        # tile; SDPA is given their dense mask (and, for modifiers, a dense float bias).
+        replace(_STRUCTURE, features=("documents",), modes=("forward", "train")),
+        replace(_STRUCTURE, features=("left padding",), paddings=(0.5,)),
+        replace(_STRUCTURE, features=("softcap", "alibi", "sinks"), modes=("forward", "train")),
     ),
     "cuda": (
         Grid(
@@ -234,6 +253,9 @@ def _check(grid: Grid) -> None:
     ):
         if any(value < low for value in values):
             raise ValueError(f"{name} ({option}) must be >= {low}, got {list(values)}")
+    wrong = [feature for feature in grid.features if feature not in (*FEATURES, None)]
+    if wrong:
+        raise ValueError(f"features (--features) must be among {list(FEATURES)}, got {wrong}")
     if any(not 0.0 <= padding < 1.0 for padding in grid.paddings):
         raise ValueError(f"paddings (--padding) must lie in [0, 1), got {list(grid.paddings)}")
     kv_heads = grid.heads if grid.kv_heads is None else grid.kv_heads

@@ -50,6 +50,9 @@ RESULT_FIELDS = (
     "wall_seconds",
     "pid",
 )
+# The fixed forms of the structure features (see suites.FEATURES).
+DOCUMENTS = 8
+SOFTCAP = 50.0
 # The matrix-multiply probe: C = A @ B with A, B (PEAK_SIZE, PEAK_SIZE) float32.
 PEAK_SIZE = 4096
 PEAK_REPEATS = 3
@@ -106,26 +109,50 @@ def flops(measurement: Measurement) -> float:
     return count * (3.5 if m.mode == "train" else 1.0)
 
 
-def attention_call(measurement: Measurement, query, key, value, key_lengths) -> Callable:
-    """The measured attention call, with the backend bound."""
+def structure(measurement: Measurement, device: torch.device) -> dict:
+    """The padding, document and score keywords of a measurement (see ``FEATURES``)."""
+    m, keywords = measurement, {}
+    kept = round(m.length * (1 - m.padding))
+    if m.feature == "left padding":  # the same number of keys hidden, at the start
+        start = m.length - kept
+        keywords["key_starts"] = torch.full((m.batch,), start, dtype=torch.long, device=device)
+    elif m.padding:
+        keywords["key_lengths"] = torch.full((m.batch,), kept, dtype=torch.long, device=device)
+    if m.feature == "documents":  # 8 documents of equal length, in order
+        ids = torch.arange(m.length, device=device) * DOCUMENTS // m.length  # (T,)
+        keywords["document_ids"] = ids.expand(m.batch, -1)  # (B, T)
+    elif m.feature == "softcap":
+        keywords["softcap"] = SOFTCAP
+    elif m.feature == "alibi":
+        exponents = torch.arange(1, m.heads + 1, device=device) * (-8.0 / m.heads)
+        keywords["alibi_slopes"] = torch.exp2(exponents)  # (H,)
+    elif m.feature == "sinks":  # learned: their gradient is part of a training step
+        keywords["sinks"] = torch.zeros(m.heads, device=device, requires_grad=m.mode == "train")
+    return keywords
+
+
+def attention_call(measurement: Measurement, query, key, value, keywords: dict) -> Callable:
+    """The measured attention call, with the backend and the :func:`structure` keywords
+    bound."""
     m = measurement
     options = {"causal": m.causal, "window": m.window}
     if m.backend in IMPLEMENTATIONS and not IMPLEMENTATIONS[m.backend].distributed:
         impl = IMPLEMENTATIONS[m.backend]
+        unknown = sorted(set(keywords) - {"key_lengths", *impl.features})
+        if unknown:
+            raise Unsupported(f"{m.backend} takes no {', '.join(unknown)}")
         # The Triton kernel is its own backend: tiled is timed as plain PyTorch.
         tuning = {"block": tuple(m.block), "kernel": "pytorch"} if "block" in impl.tuning else {}
-        return lambda: impl.function(
-            query, key, value, key_lengths=key_lengths, **options, **tuning
-        )
+        return lambda: impl.function(query, key, value, **keywords, **options, **tuning)
     if m.backend in SDPA:
 
         def call():
             with sdpa_kernel(SDPA[m.backend]):
-                return sdpa_attention(query, key, value, key_lengths=key_lengths, **options)
+                return sdpa_attention(query, key, value, **keywords, **options)
 
         return call
     if m.backend == "sketch":
-        plain = m.causal and not m.window and not m.padding and m.q_len == m.length
+        plain = m.causal and not m.window and not keywords and m.q_len == m.length
         if not plain or m.mode != "forward" or m.kv_heads != m.heads:
             raise Unsupported("the Day 2 sketch is square causal MHA, forward only")
         from octlm.bench.sketch import day2_sketch
@@ -134,8 +161,8 @@ def attention_call(measurement: Measurement, query, key, value, key_lengths) -> 
     if m.backend == "triton":
         if query.device.type != "cuda":
             raise Unsupported(f"triton runs on CUDA only, not on {query.device.type}")
-        if key_lengths is not None:
-            raise Unsupported("triton_attention takes no key_lengths (padding)")
+        if keywords:
+            raise Unsupported(f"triton_attention takes no {', '.join(sorted(keywords))}")
         try:
             from octlm.attention import triton_flash
         except ImportError as error:
@@ -188,18 +215,17 @@ def _run(m: Measurement) -> dict:
 
     query = tensor(m.heads, m.q_len)  # (B, H, Q, D)
     key, value = tensor(m.kv_heads, m.length), tensor(m.kv_heads, m.length)  # (B, Hkv, K, D)
-    key_lengths = None
-    if m.padding:
-        kept = round(m.length * (1 - m.padding))
-        key_lengths = torch.full((m.batch,), kept, dtype=torch.long, device=device)
+    keywords = structure(m, device)
+    learned = [x for x in keywords.values() if isinstance(x, torch.Tensor) and x.requires_grad]
     grad_out = torch.randn_like(query, requires_grad=False) if train else None
-    call = attention_call(m, query, key, value, key_lengths)
+    call = attention_call(m, query, key, value, keywords)
 
     def step() -> None:
         out = call()
         if train:
             out.backward(grad_out)
-            query.grad = key.grad = value.grad = None
+            for leaf in (query, key, value, *learned):
+                leaf.grad = None
 
     baseline = memory.baseline(m.device)
     _test_fault(m.backend)

@@ -14,13 +14,16 @@ model-equivalence  the whole model's logits and parameter gradients at 8, 4, 2, 
 block-invariance   tiled's output is the same for every block size, pairs included
 partial-outputs    after each key block, the partial result is attention over the keys so far
 gradients          tiled's backward: causal, non-causal, GQA, window, q_len < k_len, strided
+structure          documents, left padding, softcap, ALiBi, sinks, a block mask: forward and
+                   backward of every implementation that takes them
 decoding           KV-cache decoding gives full-forward logits; greedy tokens agree everywhere
 training           20 training steps from one RNG seed give one loss curve for every attention
 =================  ==========================================================================
 
 Modules: :mod:`~octlm.verify.plan` (sizes), :mod:`~octlm.verify.cases` (shapes, inputs,
-records), :mod:`~octlm.verify.attention` and :mod:`~octlm.verify.model` (the experiments),
-:mod:`~octlm.verify.runner` (files and the summary).
+records), :mod:`~octlm.verify.attention`, :mod:`~octlm.verify.structure` and
+:mod:`~octlm.verify.model` (the experiments), :mod:`~octlm.verify.runner` (files and the
+summary).
 """
 
 from octlm.verify.plan import DTYPES, FULL, QUICK, Plan, default_dtypes

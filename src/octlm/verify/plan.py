@@ -26,6 +26,8 @@ class Plan:
     partial_blocks: tuple[int, ...]
     gradient_length: int
     gradient_blocks: tuple[int | tuple[int, int], ...]
+    structure_length: int  # documents, left padding, modifiers, sinks, block mask
+    structure_block: tuple[int, int]
     model: dict  # ModelConfig fields shared by the model-level experiments
     model_batch: int
     model_length: int
@@ -46,6 +48,8 @@ FULL = Plan(
     partial_blocks=(64, 256),
     gradient_length=512,
     gradient_blocks=(64, (128, 32)),
+    structure_length=512,
+    structure_block=(64, 32),
     model=dict(vocab_size=256, width=256, n_layers=4, n_heads=8, max_length=512, block=64),
     model_batch=2,
     model_length=256,
@@ -64,6 +68,8 @@ QUICK = replace(
     partial_blocks=(64,),
     gradient_length=256,
     gradient_blocks=(64,),
+    structure_length=128,
+    structure_block=(32, 16),
     model=dict(vocab_size=256, width=128, n_layers=2, n_heads=8, max_length=256, block=32),
     model_length=128,
     prompt_length=16,

@@ -14,6 +14,7 @@ from octlm import records
 from octlm.verify.attention import block_invariance, gradients, partial_outputs, tiled_vs_sdpa
 from octlm.verify.model import decoding, model_equivalence, training
 from octlm.verify.plan import DTYPES, FULL, Plan, default_dtypes
+from octlm.verify.structure import structure
 
 EXPERIMENTS: dict[str, Callable[[Plan, str, Sequence[torch.dtype]], Iterator[dict]]] = {
     "tiled-sdpa": tiled_vs_sdpa,
@@ -21,6 +22,7 @@ EXPERIMENTS: dict[str, Callable[[Plan, str, Sequence[torch.dtype]], Iterator[dic
     "block-invariance": block_invariance,
     "partial-outputs": partial_outputs,
     "gradients": gradients,
+    "structure": structure,
     "decoding": decoding,
     "training": training,
 }
