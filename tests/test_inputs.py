@@ -14,6 +14,7 @@ from octlm.attention import (
     sdpa_attention,
     tiled_attention,
 )
+from octlm.attention.inputs import Call
 from tests.helpers import make_qkv
 
 ALL = [naive_attention, sdpa_attention, tiled_attention]
@@ -195,13 +196,14 @@ def test_kernel_choice_is_validated_and_routed(monkeypatch):
     with pytest.raises(ValueError, match="kernel must be one of"):
         tiled_attention(*qkv(), kernel="cuda")
     query, key, value = qkv()
-    assert not tiled._triton_fits(query, None, None)  # CPU tensors stay on the PyTorch path
+    assert not tiled._triton_fits(Call(query, key, value))  # CPU tensors stay on PyTorch's path
     calls = []
-    stand_in = types.SimpleNamespace(triton_attention=lambda *a, **kw: calls.append(kw))
+    kernel = types.SimpleNamespace(core=lambda call, **kw: calls.append(call))  # a checked call
+    stand_in = types.SimpleNamespace(triton_attention=kernel)
     monkeypatch.setitem(sys.modules, "octlm.attention.triton_flash", stand_in)
     monkeypatch.setattr(tiled, "_triton_fits", lambda *a: True)
     tiled_attention(query, key, value, window=3)
-    assert calls and calls[0]["window"] == 3
+    assert calls and calls[0].window == 3
     tiled_attention(query, key, value, kernel="pytorch")
     assert len(calls) == 1
 

@@ -44,13 +44,14 @@ from torch import Tensor
 
 from octlm.attention.blocks import (
     DEFAULT_BLOCK,
+    Rules,
     accumulation_dtype,
     attend_backward,
     attend_forward,
     merge,
     parse_block,
 )
-from octlm.attention.inputs import Shape, check_inputs
+from octlm.attention.inputs import COMMON, Call, attention_function, check
 from octlm.attention.masks import key_range
 
 LAYOUTS = ("zigzag", "plain")
@@ -221,26 +222,20 @@ def _by_rank(values: list) -> str:
     )
 
 
-def _check_call(
-    query: Tensor, key: Tensor, value: Tensor, causal: bool, window: int, mask: Tensor | None,
-    scale: float | None, dropout_p: float, key_lengths: Tensor | None, layout: str,
-) -> Shape:  # fmt: skip
-    """This rank's own checks of a ring_attention call."""
+def _check_call(call: Call, layout: str) -> Call:
+    """This rank's own checks of a ring_attention call; the call, checked."""
     _check_layout(layout)
-    for name, given in (("mask", mask), ("key_lengths", key_lengths)):
-        if given is not None:
+    for name in ("mask", "key_lengths"):
+        if getattr(call, name) is not None:
             raise ValueError(f"ring_attention takes no {name}; shard only causal/window rules")
-    shape = check_inputs(
-        query, key, value, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-        dropout_supported=False,
-    )  # fmt: skip
-    if shape.q_len != shape.k_len:
+    call = check(call, dropout=False)
+    if call.q_len != call.k_len:
         raise ValueError(
             "each rank must hold query, key and value for the same positions, got q_len "
-            f"{shape.q_len} and k_len {shape.k_len}"
+            f"{call.q_len} and k_len {call.k_len}"
         )
-    _check_shard(shape.q_len, layout)
-    return shape
+    _check_shard(call.q_len, layout)
+    return call
 
 
 def _shape(x: object) -> tuple[int, ...] | str:
@@ -306,7 +301,10 @@ def _ring_forward(
         keys = ring.pieces(owner, local_len)
         for q, k, past in _visible_pairs(queries, keys, options["causal"], options["window"]):
             part_out, part_lse = attend_forward(
-                query[:, :, q.span], key[:, :, k.span], value[:, :, k.span], past=past, **options
+                query[:, :, q.span],
+                key[:, :, k.span],
+                value[:, :, k.span],
+                Rules(past=past, **options),
             )  # (B, H, q.length, D), (B, H, q.length)
             out[:, :, q.span], lse[:, :, q.span] = merge(
                 out[:, :, q.span], lse[:, :, q.span], part_out, part_lse
@@ -347,7 +345,7 @@ def _ring_backward(
             dq, dk, dv = attend_backward(
                 query[:, :, q.span], key[:, :, k.span], value[:, :, k.span],
                 grad_out[:, :, q.span], lse[:, :, q.span], delta[:, :, q.span],
-                past=past, **options,
+                Rules(past=past, **options),
             )  # fmt: skip
             grad_query[:, :, q.span] += dq
             grad_key[:, :, k.span] += dk
@@ -385,18 +383,11 @@ class _RingAttention(torch.autograd.Function):
         return *grads, None, None
 
 
+@attention_function(dropout=False, keywords=COMMON, checked=False)
 def ring_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
+    call: Call,
     *,
     group: dist.ProcessGroup | None = None,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    key_lengths: Tensor | None = None,
     layout: str = DEFAULT_LAYOUT,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
 ) -> Tensor:
@@ -424,21 +415,21 @@ def ring_attention(
     Returns:
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
-    try:
-        shape = _check_call(query, key, value, causal, window, mask, scale, dropout_p,
-                            key_lengths, layout)  # fmt: skip
-        scale, block, problem = shape.scale, parse_block(block), None
+    try:  # checked here, not before: every rank must reach _agree, even one whose call is bad
+        call, block, problem = _check_call(call, layout), parse_block(block), None
     except (TypeError, ValueError) as error:
         problem = error
+    query, key, value = call.query, call.key, call.value
     description = {
         "dtype": getattr(query, "dtype", None),
         "device": query.device.type if isinstance(query, Tensor) else None,
         "query shape": _shape(query), "key shape": _shape(key), "value shape": _shape(value),
-        "causal": causal, "window": window, "layout": layout, "scale": scale, "block": block,
-        "dropout_p": dropout_p, "mask": mask is not None, "key_lengths": key_lengths is not None,
+        "causal": call.causal, "window": call.window, "layout": layout, "scale": call.scale,
+        "block": block, "dropout_p": call.dropout_p, "mask": call.mask is not None,
+        "key_lengths": call.key_lengths is not None,
     }  # fmt: skip
     group, rank, world = _agree(group, "ring_attention", description, problem)
-    options = dict(causal=causal, window=window, scale=scale, block=block)
+    options = dict(causal=call.causal, window=call.window, scale=call.scale, block=block)
     ring = _Ring(group, rank, world, layout)
     # Point-to-point sends need contiguous tensors (the model's values are a transposed view).
     return _RingAttention.apply(query, key.contiguous(), value.contiguous(), ring, options)
