@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
 import torch
 
 from octlm.attention import (
+    IMPLEMENTATIONS,
     attention_mask,
     block_mask,
     naive_attention,
@@ -220,3 +222,34 @@ def test_empty_inputs_give_empty_or_zero_outputs(attention, batch, q_len, k_len)
     assert out.shape == query.shape and not out.any()
     out.sum().backward()
     assert all(not x.grad.any() for x in (query, key, value))
+
+
+# The public keywords and their defaults, as users and scripts call them.
+PUBLIC_DEFAULTS = {
+    "causal": True, "window": 0, "mask": None, "scale": None, "dropout_p": 0.0,
+    "key_lengths": None, "key_starts": None, "document_ids": None, "softcap": None,
+    "alibi_slopes": None, "sinks": None, "block_mask": None,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_signature_shows_the_shared_keywords_then_the_implementations_own(name):
+    impl = IMPLEMENTATIONS[name]
+    parameters = inspect.signature(impl.function).parameters
+    common = ("causal", "window", "mask", "scale", "dropout_p", "key_lengths")
+    shared = [keyword for keyword in PUBLIC_DEFAULTS if keyword in common + impl.features]
+    assert list(parameters)[: 3 + len(shared)] == ["query", "key", "value", *shared]
+    for keyword in shared:
+        assert parameters[keyword].kind is inspect.Parameter.KEYWORD_ONLY, keyword
+        assert parameters[keyword].default == PUBLIC_DEFAULTS[keyword], keyword
+    assert set(impl.tuning) <= set(list(parameters)[3 + len(shared) :])
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_unknown_keywords_are_named(name):
+    query, key, value = qkv()
+    function = IMPLEMENTATIONS[name].function
+    with pytest.raises(TypeError, match=f"{function.__name__}.*causl, blok"):
+        function(query, key, value, causl=True, blok=4)
+    with pytest.raises(TypeError, match="missing a required argument: 'value'"):
+        function(query, key)

@@ -21,6 +21,11 @@ from torch import Tensor
 from octlm.attention.block_masks import BlockMask
 
 
+def _size(tensor: str, dim: int) -> property:
+    """One size of one of a call's tensors, as a read-only attribute."""
+    return property(lambda call: getattr(call, tensor).shape[dim])
+
+
 @dataclass(frozen=True, eq=False)
 class Call:
     """One attention call: query, key, value and the keywords, defaults as the public ones.
@@ -46,34 +51,14 @@ class Call:
     sinks: Tensor | None = None
     block_mask: BlockMask | None = None
 
-    @property
-    def batch(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.query.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.key.shape[1]
+    # Sizes read off the tensors: (B, H, Q, D) = query.shape, (B, Hkv, K, D) = key.shape.
+    batch, heads, q_len, head_size = (_size("query", dim) for dim in range(4))
+    kv_heads, k_len = _size("key", 1), _size("key", 2)
 
     @property
     def group(self) -> int:
         """Query heads per key/value head (1 for MHA, ``heads`` for MQA)."""
         return self.heads // self.kv_heads
-
-    @property
-    def q_len(self) -> int:
-        return self.query.shape[2]
-
-    @property
-    def k_len(self) -> int:
-        return self.key.shape[2]
-
-    @property
-    def head_size(self) -> int:
-        return self.query.shape[3]
 
     @property
     def past(self) -> int:
