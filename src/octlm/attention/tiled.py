@@ -39,7 +39,7 @@ class _TiledAttention(torch.autograd.Function):
         rules,
     ):  # fmt: skip
         tensors = mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks
-        out, rows = forward_rows(query, key, value, _with(rules, *tensors))
+        out, rows = forward_rows(query, key, value, _rules_with(rules, *tensors))
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, *tensors)
         ctx.rules, ctx.units, ctx.careful = rules, rows.units, rows.careful
@@ -64,7 +64,7 @@ class _TiledAttention(torch.autograd.Function):
             )
         rows = RowStats(shift, total, ctx.units, ctx.careful)
         grad_query, grad_key, grad_value = attend_backward(
-            query, key, value, grad_out, rows, delta, _with(ctx.rules, *tensors),
+            query, key, value, grad_out, rows, delta, _rules_with(ctx.rules, *tensors),
             grad_mask=grad_mask, grad_alibi=grad_alibi,
         )  # fmt: skip
         if grad_mask is not None:
@@ -91,7 +91,7 @@ class _TiledAttention(torch.autograd.Function):
         )
 
 
-def _with(rules, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks) -> Rules:
+def _rules_with(rules, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks) -> Rules:
     """``rules`` with the caller's tensors; row ``i`` is in the document of key ``past + i``."""
     documents = None if document_ids is None else (document_ids[:, rules.past :], document_ids)
     return replace(
