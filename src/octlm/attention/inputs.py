@@ -13,7 +13,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import KW_ONLY, Field, dataclass, fields, replace
+from dataclasses import KW_ONLY, Field, dataclass, fields
 
 import torch
 from torch import Tensor
@@ -26,12 +26,14 @@ def _size(tensor: str, dim: int) -> property:
     return property(lambda call: getattr(call, tensor).shape[dim])
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Call:
     """One attention call: query, key, value and the keywords, defaults as the public ones.
 
     A call returned by :func:`check` is valid and has its ``scale`` filled in. Query row ``i``
-    sits at key position ``past + i``, ``past = k_len - q_len`` (bottom-right causal).
+    sits at key position ``past + i``, ``past = k_len - q_len`` (bottom-right causal). A value,
+    never changed once made; not ``frozen`` only because a frozen dataclass takes several
+    microseconds longer to build, paid on every attention call of every decoding step.
     """
 
     query: Tensor  # (B, H, Q, D)
@@ -68,10 +70,10 @@ class Call:
 # The call's keywords; the first six every implementation takes (ring and Triton refuse a mask
 # or key_lengths by value), the rest are the structure and score keywords of docs/design.md §2
 # that only the single-process PyTorch implementations take.
-FIELDS = tuple(field.name for field in fields(Call))
 KEYWORDS = tuple(field.name for field in fields(Call) if field.kw_only)
 COMMON = ("causal", "window", "mask", "scale", "dropout_p", "key_lengths")
 FEATURES = tuple(name for name in KEYWORDS if name not in COMMON)
+TENSORS = frozenset(field.name for field in fields(Call) if not field.kw_only)
 
 
 def attention_function(
@@ -89,31 +91,41 @@ def attention_function(
     omitted = [name for name in KEYWORDS if name not in keywords]
 
     def decorate(core: Callable) -> Callable:
-        own = inspect.signature(core)
+        inner = inspect.signature(core)
         shared = [_parameter(field) for field in fields(Call) if field.name not in omitted]
-        extra = list(own.parameters.values())[1:]  # what follows ``call``
-        signature = own.replace(parameters=shared + extra)
+        extra = list(inner.parameters.values())[1:]  # the core's own keywords, after ``call``
+        signature = inner.replace(parameters=shared + extra)
+        taken = frozenset(signature.parameters) - TENSORS  # every keyword it takes
 
         @functools.wraps(core)
         def public(*args, **kwargs):
-            unknown = [name for name in kwargs if name not in signature.parameters]
-            if unknown:
-                raise TypeError(
-                    f"{core.__name__}() got unexpected keyword argument(s) {', '.join(unknown)}; "
-                    f"it takes {', '.join(list(signature.parameters)[3:])}"
-                )
-            try:
-                given = signature.bind(*args, **kwargs).arguments
-            except TypeError as error:
-                raise TypeError(f"{core.__name__}(): {error}") from None
-            call = Call(**{name: given.pop(name) for name in list(given) if name in FIELDS})
-            return core(check(call, dropout=dropout) if checked else call, **given)
+            if len(args) == 3 and taken.issuperset(kwargs):  # the usual call, bound cheaply
+                given = {"query": args[0], "key": args[1], "value": args[2], **kwargs}
+            else:
+                given = _bind(core.__name__, signature, args, kwargs)
+            own = {p.name: given.pop(p.name) for p in extra if p.name in given}
+            call = Call(**given)
+            return core(check(call, dropout=dropout) if checked else call, **own)
 
         public.__signature__ = signature
         public.core = core
         return public
 
     return decorate
+
+
+def _bind(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call of ``name``, or a ``TypeError`` that names what is wrong."""
+    unknown = [keyword for keyword in kwargs if keyword not in signature.parameters]
+    if unknown:
+        raise TypeError(
+            f"{name}() got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
+            f"{', '.join(list(signature.parameters)[3:])}"
+        )
+    try:
+        return signature.bind(*args, **kwargs).arguments
+    except TypeError as error:
+        raise TypeError(f"{name}(): {error}") from None
 
 
 def _parameter(field: Field) -> inspect.Parameter:
@@ -209,7 +221,7 @@ def check(call: Call, *, dropout: bool = True) -> Call:
             f"dropout_p={dropout_p} asked of an implementation without dropout; "
             "use naive or sdpa for attention dropout"
         )
-    return replace(call, scale=float(scale))
+    return Call(**vars(call) | {"scale": float(scale)})
 
 
 def _positive_finite(number: object) -> bool:
