@@ -8,10 +8,11 @@ touched) and computes one score tile with the hidden places at ``-inf``; blocks 
 whole get no mask arithmetic at all. No ``q_len x k_len`` tensor is ever made.
 
 :func:`attend_forward` and :func:`attend_backward` are the steps as functions, over one chunk
-of queries against one chunk of keys; :func:`merge` combines partial results over disjoint key
-chunks exactly. ``octlm.attention.tiled`` wraps them in an autograd function and the ring
-(``octlm.attention.ring``) runs them across processes. The numerics (why a shift that is not
-the running maximum, why base 2, what is exact) are in docs/design.md §7.
+of queries against one chunk of keys under one :class:`Rules`; :func:`merge` combines partial
+results over disjoint key chunks exactly. ``octlm.attention.tiled`` wraps them in an autograd
+function and the ring (``octlm.attention.ring``) runs them across processes. The numerics
+(why a shift that is not the running maximum, why base 2, what is exact) are in
+docs/design.md §7.
 
 Layout inside: the query heads that share one key/value head are folded into the rows of a
 block, ``(B, H, Q, D) -> (B, Hkv, Q, G, D)`` viewed as ``(B*Hkv, Q*G, D)`` per block, so GQA
