@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
+import time
+
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import Tensor
 
-from octlm.attention import IMPLEMENTATIONS, tiled_attention
+from octlm.attention import IMPLEMENTATIONS, naive_attention, tiled_attention
 from octlm.equality import judge
 
 
@@ -108,6 +114,13 @@ def assert_judged(tested: Tensor, base: Tensor, golden: Tensor, factor: float = 
     assert verdict.passed, str(verdict)
 
 
+def assert_like_reference(tested: Tensor, query: Tensor, key: Tensor, value: Tensor, **options):
+    """``tested``, one call's output, judged against the float64 reference of the same call
+    relative to naive's error on it (docs/design.md §4)."""
+    golden = reference(query, key, value, **options)
+    assert_judged(tested, naive_attention(query, key, value, **options), golden)
+
+
 def tiled(block):
     """``tiled_attention`` with its ``block`` bound."""
     return lambda *args, **kw: tiled_attention(*args, block=block, **kw)
@@ -121,3 +134,25 @@ def implementations_with(feature: str, block=(16, 32)) -> dict:
         for name, impl in IMPLEMENTATIONS.items()
         if feature in impl.features
     }
+
+
+def spawn(worker, args: tuple, world: int, timeout: float, what: str) -> None:
+    """Run ``worker(rank, *args)`` in ``world`` spawned processes and wait for all of them; the
+    test fails, naming ``what``, if they have not finished after ``timeout`` seconds."""
+    context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.terminate()
+            pytest.fail(f"{what} did not finish in {timeout} s")
+
+
+def join_gloo(rank: int, world: int, store: str) -> None:
+    """Join, as ``rank`` of ``world``, the gloo group of spawned processes that meet at the file
+    ``store``; one thread each, since the ranks share this machine's cores."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip

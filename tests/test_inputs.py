@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
 import torch
 
 from octlm.attention import (
+    IMPLEMENTATIONS,
     attention_mask,
     block_mask,
     naive_attention,
     sdpa_attention,
     tiled_attention,
 )
+from octlm.attention.inputs import Call
 from tests.helpers import make_qkv
 
 ALL = [naive_attention, sdpa_attention, tiled_attention]
@@ -195,13 +198,14 @@ def test_kernel_choice_is_validated_and_routed(monkeypatch):
     with pytest.raises(ValueError, match="kernel must be one of"):
         tiled_attention(*qkv(), kernel="cuda")
     query, key, value = qkv()
-    assert not tiled._triton_fits(query, None, None)  # CPU tensors stay on the PyTorch path
+    assert not tiled._triton_fits(Call(query, key, value))  # CPU tensors stay on PyTorch's path
     calls = []
-    stand_in = types.SimpleNamespace(triton_attention=lambda *a, **kw: calls.append(kw))
+    kernel = types.SimpleNamespace(core=lambda call, **kw: calls.append(call))  # a checked call
+    stand_in = types.SimpleNamespace(triton_attention=kernel)
     monkeypatch.setitem(sys.modules, "octlm.attention.triton_flash", stand_in)
     monkeypatch.setattr(tiled, "_triton_fits", lambda *a: True)
     tiled_attention(query, key, value, window=3)
-    assert calls and calls[0]["window"] == 3
+    assert calls and calls[0].window == 3
     tiled_attention(query, key, value, kernel="pytorch")
     assert len(calls) == 1
 
@@ -218,3 +222,34 @@ def test_empty_inputs_give_empty_or_zero_outputs(attention, batch, q_len, k_len)
     assert out.shape == query.shape and not out.any()
     out.sum().backward()
     assert all(not x.grad.any() for x in (query, key, value))
+
+
+# The public keywords and their defaults, as users and scripts call them.
+PUBLIC_DEFAULTS = {
+    "causal": True, "window": 0, "mask": None, "scale": None, "dropout_p": 0.0,
+    "key_lengths": None, "key_starts": None, "document_ids": None, "softcap": None,
+    "alibi_slopes": None, "sinks": None, "block_mask": None,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_signature_shows_the_shared_keywords_then_the_implementations_own(name):
+    impl = IMPLEMENTATIONS[name]
+    parameters = inspect.signature(impl.function).parameters
+    common = ("causal", "window", "mask", "scale", "dropout_p", "key_lengths")
+    shared = [keyword for keyword in PUBLIC_DEFAULTS if keyword in common + impl.features]
+    assert list(parameters)[: 3 + len(shared)] == ["query", "key", "value", *shared]
+    for keyword in shared:
+        assert parameters[keyword].kind is inspect.Parameter.KEYWORD_ONLY, keyword
+        assert parameters[keyword].default == PUBLIC_DEFAULTS[keyword], keyword
+    assert set(impl.tuning) <= set(list(parameters)[3 + len(shared) :])
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_unknown_keywords_are_named(name):
+    query, key, value = qkv()
+    function = IMPLEMENTATIONS[name].function
+    with pytest.raises(TypeError, match=f"{function.__name__}.*causl, blok"):
+        function(query, key, value, causl=True, blok=4)
+    with pytest.raises(TypeError, match="missing a required argument: 'value'"):
+        function(query, key)

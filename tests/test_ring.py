@@ -7,16 +7,13 @@ spawn costs seconds, a check milliseconds, so checks are batched rather than spa
 
 from __future__ import annotations
 
-import datetime
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from octlm.attention import naive_attention, ring_attention
 from octlm.attention.ring import (
@@ -34,7 +31,7 @@ from octlm.parallel import (
     gather_logits,
     reduce_gradients,
 )
-from tests.helpers import make_qkv, reference
+from tests.helpers import join_gloo, make_qkv, reference, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -209,11 +206,7 @@ def _error_check(rank: int, world: int, case: str) -> str | None:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    join_gloo(rank, world, init_file)
     results = {}
     for name, case in ATTENTION_CASES.items():
         results[f"attention/{name}"] = _attention_check(rank, world, case)
@@ -232,16 +225,8 @@ def ring_results(request, tmp_path_factory) -> list[dict]:
     """Every rank's ``{check: None or what failed}`` for one world size."""
     world = request.param
     folder = tmp_path_factory.mktemp(f"ring{world}")
-    context = mp.start_processes(
-        _worker, args=(world, str(folder / "store"), str(folder)), nprocs=world, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.terminate()
-            pytest.fail(f"ring workers (world {world}) did not finish in {SPAWN_TIMEOUT} s")
+    args = (world, str(folder / "store"), str(folder))
+    spawn(_worker, args, world, SPAWN_TIMEOUT, f"ring workers (world {world})")
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 

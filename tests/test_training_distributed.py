@@ -7,18 +7,16 @@ the loss curves of ``metrics.jsonl``. Every mode's checkpoint must then load in 
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from octlm.training import load_run, resolve, train
+from tests.helpers import join_gloo, spawn
 from tests.test_training import TINY_MODEL, TINY_RUN, losses, write_corpus
 
 pytestmark = pytest.mark.distributed
@@ -40,11 +38,7 @@ def _run_options(corpus: Path, mode_options: dict) -> dict:
 
 
 def _worker(rank: int, corpus: str, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    join_gloo(rank, WORLD, f"{folder}/store")
     failures = {}
     for mode, (options, _reference) in MODES.items():
         try:
@@ -61,15 +55,7 @@ def runs(tmp_path_factory) -> Path:
     """A folder with one run folder per mode, trained by 2 gloo ranks."""
     folder = tmp_path_factory.mktemp("two-ranks")
     corpus = write_corpus(folder / "corpus")
-    context = mp.start_processes(
-        _worker, args=(str(corpus), str(folder)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.terminate()
-            pytest.fail(f"training workers did not finish in {SPAWN_TIMEOUT} s")
+    spawn(_worker, (str(corpus), str(folder)), WORLD, SPAWN_TIMEOUT, "training workers")
     for rank in range(WORLD):
         failures = json.loads((folder / f"rank{rank}.json").read_text())
         assert not failures, f"rank {rank}: {failures}"

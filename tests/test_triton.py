@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from octlm.attention import naive_attention
+from octlm.attention.inputs import Call
 from octlm.attention.masks import dense_mask
 from tests.helpers import assert_judged, make_qkv
 
@@ -92,7 +93,7 @@ def reference_lse(query, key, causal, window):
     query, key = query.double(), key.double()
     key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, H, K, D)
     scores = query @ key.transpose(-2, -1) * query.shape[-1] ** -0.5  # (B, H, Q, K)
-    visible = dense_mask(query.shape[2], key.shape[2], causal, window, None, query.device)
+    visible = dense_mask(Call(query, key, key, causal=causal, window=window))  # (Q, K) or None
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     return scores.logsumexp(dim=-1)  # (B, H, Q)

@@ -39,22 +39,12 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     )
 
     def run(args: argparse.Namespace) -> int:
-        try:
-            verify.check_options(args.device, args.dtypes or (), args.only or ())
-        except ValueError as error:
-            print(f"octlm verify: {error}", file=sys.stderr)
-            return 2
+        verify.check_options(args.device, args.dtypes or (), args.only or ())
         plan = verify.QUICK if args.quick else verify.FULL
         try:
             found, paths = verify.run(
                 args.out, plan=plan, device=args.device, dtypes=args.dtypes, experiments=args.only
             )
-        except ValueError as error:  # an output folder that cannot be written
-            print(f"octlm verify: {error}", file=sys.stderr)
-            return 2
-        except OSError as error:  # a full disk
-            print(f"octlm verify: {error}", file=sys.stderr)
-            return 1
         except KeyboardInterrupt:
             print(f"octlm verify: interrupted; finished records are in {args.out}", file=sys.stderr)
             return 130
@@ -65,7 +55,8 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
             print(f"octlm verify: {failed} of {len(found)} checks failed", file=sys.stderr)
         return 1 if failed else 0
 
-    parser.set_defaults(run=run)
+    # ValueError: an option or an output folder that cannot be written; OSError: a full disk.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
@@ -177,24 +168,18 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
         from octlm.bench.driver import bench
 
         grid_options = {name: getattr(args, name) for name in GRID_OPTIONS}
-        try:
-            return bench(
-                args.suite,
-                output=args.output,
-                timeout=args.timeout,
-                resume=args.resume,
-                rounds=args.rounds,
-                peak=args.peak,
-                **grid_options,
-            )
-        except ValueError as error:  # a bad option, output or device: say which
-            print(f"octlm bench: {error}", file=sys.stderr)
-            return 2
-        except (OSError, RuntimeError) as error:  # a full disk, a failed matmul probe
-            print(f"octlm bench: {error}", file=sys.stderr)
-            return 1
+        return bench(
+            args.suite,
+            output=args.output,
+            timeout=args.timeout,
+            resume=args.resume,
+            rounds=args.rounds,
+            peak=args.peak,
+            **grid_options,
+        )
 
-    parser.set_defaults(run=run)
+    # A bad option, output or device; a full disk or a failed matmul probe.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1, RuntimeError: 1})
 
 
 def _report_parser(parser: argparse.ArgumentParser) -> None:
@@ -218,14 +203,10 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         from octlm.report import write_report
 
-        try:
-            print(write_report(args.paths or None, args.output))
-        except (FileNotFoundError, ValueError) as error:
-            print(f"octlm report: {error}", file=sys.stderr)
-            return 2
+        print(write_report(args.paths or None, args.output))
         return 0
 
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, exits={FileNotFoundError: 2, ValueError: 2})
 
 
 # --- octlm train, octlm sample ---------------------------------------------------------------
@@ -260,21 +241,13 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
         from octlm.training import train
 
         model_values, run_values = config.explicit_values(args)
-        try:
-            if args.resume:
-                model_config, run_config = config.resolve_resumed(
-                    args.out, args.preset, args.config, model_values, run_values
-                )
-            else:
-                model_config, run_config = config.resolve(
-                    args.preset, args.config, model_values, run_values
-                )
-            outcome = train(
-                model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
-            )
-        except ValueError as error:
-            print(f"octlm train: {error}", file=sys.stderr)
-            return 2
+        model_config, run_config = config.resolve(
+            args.preset, args.config, model_values, run_values,
+            resume=args.out if args.resume else None,
+        )  # fmt: skip
+        outcome = train(
+            model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
+        )
         if outcome.rank == 0:
             if outcome.val_bits_per_byte is not None:
                 print(f"validation: {outcome.val_bits_per_byte:.3f} bits per byte")
@@ -303,15 +276,11 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         from octlm.training import generate_text, load_run
 
-        try:
-            model, step = load_run(args.run_dir, args.device)
-            text = generate_text(
-                model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                top_k=args.top_k, seed=args.seed,
-            )  # fmt: skip
-        except ValueError as error:
-            print(f"octlm sample: {error}", file=sys.stderr)
-            return 2
+        model, step = load_run(args.run_dir, args.device)
+        text = generate_text(
+            model, args.prompt, args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, seed=args.seed,
+        )  # fmt: skip
         print(f"# {args.run_dir}, checkpoint of step {step}", file=sys.stderr)
         print(text)
         return 0
@@ -336,8 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one verb. An error it expects (``exits``: a bad option or input, 2 by default; a
+    full disk, 1) is one line on stderr and that exit status, never a traceback."""
     args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    exits = getattr(args, "exits", {ValueError: 2})
+    try:
+        return int(args.run(args) or 0)
+    except tuple(exits) as error:
+        print(f"octlm {args.command}: {error}", file=sys.stderr)
+        return next(code for kind, code in exits.items() if isinstance(error, kind))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from octlm.attention import IMPLEMENTATIONS, implementation
+from octlm.attention.registry import taking
 from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block
 
 
@@ -303,14 +304,10 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.width, eps=1e-6)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: Tensor,
-        rope: tuple[Tensor, Tensor],
-        cache: KVCache | None = None,
-        document_ids: Tensor | None = None,
-    ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache, document_ids)  # (B, T, C)
+    def forward(self, x: Tensor, *context) -> Tensor:
+        """``context`` is what :meth:`Attention.forward` takes after ``x``: the RoPE tables of
+        the tokens' positions, then the KV cache and the document ids (either may be None)."""
+        x = x + self.attention(self.attention_norm(x), *context)  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
 
 
@@ -484,12 +481,10 @@ class OctLM(nn.Module):
                 "pass positions or document_ids, not both"
             )
         name = self.config.attention
-        if "document_ids" not in implementation(name).features:
-            accepting = tuple(
-                n for n, impl in IMPLEMENTATIONS.items() if "document_ids" in impl.features
-            )
+        if name not in taking("document_ids"):
             raise ValueError(
-                f"document_ids need attention in {accepting}; {name!r} does not take them"
+                f"document_ids need attention in {taking('document_ids')}; {name!r} does not "
+                "take them"
             )
 
     def _check_tokens(self, tokens: Tensor) -> None:

@@ -6,6 +6,8 @@
 - :func:`ring_attention`: the tiled blocks over a sequence sharded across processes.
 
 ``IMPLEMENTATIONS`` maps each name to its function and what it supports; look them up there.
+The keywords they share, with their defaults, are written once, as the fields of
+:class:`~octlm.attention.inputs.Call`, and checked once, by :func:`~octlm.attention.inputs.check`.
 :func:`block_mask` evaluates any ``mask_mod`` once per block, for ``block_mask=`` in every
 single-process implementation.
 

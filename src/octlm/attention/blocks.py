@@ -8,10 +8,11 @@ touched) and computes one score tile with the hidden places at ``-inf``; blocks 
 whole get no mask arithmetic at all. No ``q_len x k_len`` tensor is ever made.
 
 :func:`attend_forward` and :func:`attend_backward` are the steps as functions, over one chunk
-of queries against one chunk of keys; :func:`merge` combines partial results over disjoint key
-chunks exactly. ``octlm.attention.tiled`` wraps them in an autograd function and the ring
-(``octlm.attention.ring``) runs them across processes. The numerics (why a shift that is not
-the running maximum, why base 2, what is exact) are in docs/design.md §7.
+of queries against one chunk of keys under one :class:`Rules`; :func:`merge` combines partial
+results over disjoint key chunks exactly. ``octlm.attention.tiled`` wraps them in an autograd
+function and the ring (``octlm.attention.ring``) runs them across processes. The numerics
+(why a shift that is not the running maximum, why base 2, what is exact) are in
+docs/design.md §7.
 
 Layout inside: the query heads that share one key/value head are folded into the rows of a
 block, ``(B, H, Q, D) -> (B, Hkv, Q, G, D)`` viewed as ``(B*Hkv, Q*G, D)`` per block, so GQA
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from octlm.attention.block_masks import BlockMask
 from octlm.attention.masks import (
     allowed,
     as_4d,
@@ -497,24 +499,34 @@ class OnlineSoftmax:
         return self.acc.div_(torch.where(seen, self.running_sum, 1.0))
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Rules:
+    """What one chunk of queries sees of one chunk of keys, and how its scores are formed.
+
+    Query row ``i`` sits at key position ``past + i`` of the key chunk; keys outside
+    ``[key_starts[b], key_lengths[b])`` are padding, and ``documents = (query ids (B, Q), key
+    ids (B, K))`` restricts each row to keys of its own document. ``block`` is the tile
+    ``(block_q, block_k)``; the rest are the checked keywords of ``tiled_attention`` (the
+    score modifiers ``softcap``, ``alibi_slopes`` and ``sinks`` among them).
+    """
+
+    past: int
+    scale: float
+    causal: bool = True
+    window: int = 0
+    mask: Tensor | None = None
+    block: tuple[int, int] = DEFAULT_BLOCK
+    key_lengths: Tensor | None = None
+    key_starts: Tensor | None = None
+    documents: tuple[Tensor, Tensor] | None = None
+    softcap: float | None = None
+    alibi_slopes: Tensor | None = None
+    sinks: Tensor | None = None
+    block_mask: BlockMask | None = None
+
+
 def forward_rows(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    past: int,
-    causal: bool,
-    window: int,
-    mask: Tensor | None,
-    scale: float,
-    block: tuple[int, int],
-    key_lengths: Tensor | None,
-    key_starts: Tensor | None = None,
-    documents: tuple[Tensor, Tensor] | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    sinks: Tensor | None = None,
-    block_mask=None,
+    query: Tensor, key: Tensor, value: Tensor, rules: Rules
 ) -> tuple[Tensor, RowStats]:
     """The forward block steps; ``out`` and the exact row statistics. See :func:`attend_forward`.
 
@@ -523,21 +535,21 @@ def forward_rows(
     which is the whole cost of decoding one token). Only then is the call run again with the
     masked fills that keep a hidden NaN out of the rows that cannot see it.
     """
-    options = dict(
-        past=past, causal=causal, window=window, mask=mask, scale=scale, block=block,
-        key_lengths=key_lengths, key_starts=key_starts, documents=documents, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
-    )  # fmt: skip
-    out, rows = _forward_pass(query, key, value, careful=False, **options)
+    out, rows = _forward_pass(query, key, value, rules, careful=False)
     if bool(out.isnan().any()):
-        out, rows = _forward_pass(query, key, value, careful=True, **options)
+        out, rows = _forward_pass(query, key, value, rules, careful=True)
     return out, rows
 
 
 def _forward_pass(
-    query, key, value, *, past, causal, window, mask, scale, block, key_lengths, key_starts,
-    documents, softcap, alibi_slopes, sinks, block_mask, careful,
-) -> tuple[Tensor, RowStats]:  # fmt: skip
+    query: Tensor, key: Tensor, value: Tensor, rules: Rules, *, careful: bool
+) -> tuple[Tensor, RowStats]:
+    past, causal, window, mask, scale, block = (
+        rules.past, rules.causal, rules.window, rules.mask, rules.scale, rules.block,
+    )  # fmt: skip
+    key_lengths, key_starts, documents = rules.key_lengths, rules.key_starts, rules.documents
+    softcap, alibi_slopes, block_mask = rules.softcap, rules.alibi_slopes, rules.block_mask
+    sinks = rules.sinks
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
     units = Units.choose(mask, dtype)
@@ -616,45 +628,22 @@ def _forward_pass(
 
 
 def attend_forward(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    past: int,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float,
-    block: tuple[int, int] = DEFAULT_BLOCK,
-    key_lengths: Tensor | None = None,
-    key_starts: Tensor | None = None,
-    documents: tuple[Tensor, Tensor] | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    sinks: Tensor | None = None,
-    block_mask=None,
+    query: Tensor, key: Tensor, value: Tensor, rules: Rules
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``query`` over one chunk of keys: the forward block steps as a function.
 
-    ``query (B, H, Q, D)``, ``key``/``value (B, Hkv, K, D)``; query row ``i`` sits at key
-    position ``past + i`` of this chunk; keys outside ``[key_starts[b], key_lengths[b])`` are
-    padding, and ``documents = (query ids (B, Q), key ids (B, K))`` restricts each row to keys
-    of its own document. ``softcap``, ``alibi_slopes`` and ``sinks`` are the score modifiers of
-    ``tiled_attention``. Inputs are not validated here (the public functions do that).
-    Returns ``out (B, H, Q, D)`` normalised, and ``lse (B, H, Q)``, both in the
-    accumulation dtype; rows that see no key get ``out = 0`` and ``lse = -inf``. Two such
-    partial results over disjoint key chunks combine exactly with :func:`merge`.
+    ``query (B, H, Q, D)``, ``key``/``value (B, Hkv, K, D)``, under ``rules``. Inputs are not
+    validated here (the public functions do that). Returns ``out (B, H, Q, D)`` normalised,
+    and ``lse (B, H, Q)``, both in the accumulation dtype; rows that see no key get
+    ``out = 0`` and ``lse = -inf``. Two such partial results over disjoint key chunks combine
+    exactly with :func:`merge`.
 
     Softmax is invariant to a per-row shift, so the shift need not be the exact running
     maximum: it is set from each row's first visible block and moves up only when a later
     block's weights sum past ``CEILING`` (or overflow), in which case that block is recomputed
     against the new shift. The usual block therefore costs no maximum pass and no rescale.
     """
-    out, rows = forward_rows(
-        query, key, value, past=past, causal=causal, window=window, mask=mask, scale=scale,
-        block=block, key_lengths=key_lengths, key_starts=key_starts, documents=documents,
-        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
-    )  # fmt: skip
+    out, rows = forward_rows(query, key, value, rules)
     return out, rows.lse()
 
 
@@ -665,21 +654,10 @@ def attend_backward(
     grad_out: Tensor,
     lse: Tensor | RowStats,
     delta: Tensor,
+    rules: Rules,
     *,
-    past: int,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float,
-    block: tuple[int, int] = DEFAULT_BLOCK,
-    key_lengths: Tensor | None = None,
     grad_mask: Tensor | None = None,
-    key_starts: Tensor | None = None,
-    documents: tuple[Tensor, Tensor] | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
     grad_alibi: Tensor | None = None,
-    block_mask=None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one query chunk against one key chunk: the backward block steps.
 
@@ -693,6 +671,11 @@ def attend_backward(
     change nothing here (they live in the row statistics); their gradient is
     :func:`sink_gradient`.
     """
+    past, causal, window, mask, scale, block = (
+        rules.past, rules.causal, rules.window, rules.mask, rules.scale, rules.block,
+    )  # fmt: skip
+    key_lengths, key_starts, documents = rules.key_lengths, rules.key_starts, rules.documents
+    softcap, alibi_slopes, block_mask = rules.softcap, rules.alibi_slopes, rules.block_mask
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
     if 0 in query.shape or 0 in key.shape:

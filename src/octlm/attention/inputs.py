@@ -1,30 +1,61 @@
-"""One validation for every implementation: shapes, dtypes, devices, masks, options.
+"""The attention call, defined once: its keywords, their one validation, the public signature.
 
-Every public attention function calls :func:`check_inputs` first, so a bad call fails with a
+:class:`Call` lists the keywords every implementation takes, with their defaults
+(docs/design.md §2). :func:`check` validates a call, so a bad one fails with a
 ``ValueError``/``TypeError`` that names the argument, what it got and what was expected, before
-any kernel runs.
+any kernel runs. :func:`attention_function` turns an implementation's core, which takes a
+checked :class:`Call`, into the public ``f(query, key, value, *, causal=True, ...)``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import KW_ONLY, Field, dataclass, fields
 
 import torch
 from torch import Tensor
 
+from octlm.attention.block_masks import BlockMask
 
-@dataclass(frozen=True)
-class Shape:
-    """What the checked inputs describe. ``past = k_len - q_len`` (bottom-right causal)."""
 
-    batch: int
-    heads: int
-    kv_heads: int
-    q_len: int
-    k_len: int
-    head_size: int
-    scale: float
+def _size(tensor: str, dim: int) -> property:
+    """One size of one of a call's tensors, as a read-only attribute."""
+    return property(lambda call: getattr(call, tensor).shape[dim])
+
+
+@dataclass(eq=False)
+class Call:
+    """One attention call: query, key, value and the keywords, defaults as the public ones.
+
+    A call returned by :func:`check` is valid and has its ``scale`` filled in. Query row ``i``
+    sits at key position ``past + i``, ``past = k_len - q_len`` (bottom-right causal). A value,
+    never changed once made; not ``frozen`` only because a frozen dataclass takes several
+    microseconds longer to build, paid on every attention call of every decoding step.
+    """
+
+    query: Tensor  # (B, H, Q, D)
+    key: Tensor  # (B, Hkv, K, D)
+    value: Tensor  # (B, Hkv, K, D)
+    _: KW_ONLY
+    causal: bool = True
+    window: int = 0
+    mask: Tensor | None = None
+    scale: float | None = None
+    dropout_p: float = 0.0
+    key_lengths: Tensor | None = None
+    key_starts: Tensor | None = None
+    document_ids: Tensor | None = None
+    softcap: float | None = None
+    alibi_slopes: Tensor | None = None
+    sinks: Tensor | None = None
+    block_mask: BlockMask | None = None
+
+    # Sizes read off the tensors: (B, H, Q, D) = query.shape, (B, Hkv, K, D) = key.shape.
+    batch, heads, q_len, head_size = (_size("query", dim) for dim in range(4))
+    kv_heads, k_len = _size("key", 1), _size("key", 2)
 
     @property
     def group(self) -> int:
@@ -36,26 +67,84 @@ class Shape:
         return self.k_len - self.q_len
 
 
-def check_inputs(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    dropout_supported: bool = True,
-    key_lengths: Tensor | None = None,
-    key_starts: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    sinks: Tensor | None = None,
-    block_mask=None,
-) -> Shape:
-    """Validate an attention call against docs/design.md §2 and return its :class:`Shape`."""
+# The call's keywords; the first six every implementation takes (ring and Triton refuse a mask
+# or key_lengths by value), the rest are the structure and score keywords of docs/design.md §2
+# that only the single-process PyTorch implementations take.
+KEYWORDS = tuple(field.name for field in fields(Call) if field.kw_only)
+COMMON = ("causal", "window", "mask", "scale", "dropout_p", "key_lengths")
+FEATURES = tuple(name for name in KEYWORDS if name not in COMMON)
+TENSORS = frozenset(field.name for field in fields(Call) if not field.kw_only)
+
+
+def attention_function(
+    *, dropout: bool = True, keywords: tuple[str, ...] = KEYWORDS, checked: bool = True
+) -> Callable[[Callable], Callable]:
+    """Make ``core(call, *, extra=...)`` the public ``f(query, key, value, *, <keywords>, extra)``.
+
+    The public function takes the :class:`Call` fields named in ``keywords`` (defaults from
+    :class:`Call`) and the core's own keywords; any other keyword is a ``TypeError`` naming it.
+    It builds the call, validates it with :func:`check` (``dropout=False`` for a core without
+    attention dropout) unless ``checked=False`` (the ring checks in step with its peers), and
+    hands it to the core. Name, docstring and a real :func:`inspect.signature` come from the
+    core; ``f.core`` is the core itself, for a caller whose call is already checked.
+    """
+    omitted = [name for name in KEYWORDS if name not in keywords]
+
+    def decorate(core: Callable) -> Callable:
+        inner = inspect.signature(core)
+        shared = [_parameter(field) for field in fields(Call) if field.name not in omitted]
+        extra = list(inner.parameters.values())[1:]  # the core's own keywords, after ``call``
+        signature = inner.replace(parameters=shared + extra)
+        taken = frozenset(signature.parameters) - TENSORS  # every keyword it takes
+
+        @functools.wraps(core)
+        def public(*args, **kwargs):
+            if len(args) == 3 and taken.issuperset(kwargs):  # the usual call, bound cheaply
+                given = {"query": args[0], "key": args[1], "value": args[2], **kwargs}
+            else:
+                given = _bind(core.__name__, signature, args, kwargs)
+            own = {p.name: given.pop(p.name) for p in extra if p.name in given}
+            call = Call(**given)
+            return core(check(call, dropout=dropout) if checked else call, **own)
+
+        public.__signature__ = signature
+        public.core = core
+        return public
+
+    return decorate
+
+
+def _bind(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call of ``name``, or a ``TypeError`` that names what is wrong."""
+    unknown = [keyword for keyword in kwargs if keyword not in signature.parameters]
+    if unknown:
+        raise TypeError(
+            f"{name}() got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
+            f"{', '.join(list(signature.parameters)[3:])}"
+        )
+    try:
+        return signature.bind(*args, **kwargs).arguments
+    except TypeError as error:
+        raise TypeError(f"{name}(): {error}") from None
+
+
+def _parameter(field: Field) -> inspect.Parameter:
+    """A :class:`Call` field as a public parameter: the tensors positional, the rest keywords."""
+    if not field.kw_only:
+        return inspect.Parameter(field.name, POSITIONAL, annotation=field.type)
+    return inspect.Parameter(field.name, KEYWORD, default=field.default, annotation=field.type)
+
+
+POSITIONAL, KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+
+
+def check(call: Call, *, dropout: bool = True) -> Call:
+    """Validate ``call`` against docs/design.md §2; the same call with its ``scale`` filled in.
+
+    ``dropout=False`` refuses ``dropout_p > 0``, for an implementation without attention
+    dropout.
+    """
+    query, key, value = call.query, call.key, call.value
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -87,57 +176,61 @@ def check_inputs(
         )
     if head_size < 1:
         raise ValueError("head_size must be at least 1")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(call.causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(call.causal).__name__}")
+    window = call.window
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0 = no window), got {window!r}")
-    if mask is not None:
-        _check_mask(mask, query, (batch, heads, q_len, k_len))
-    for name, bound in (("key_lengths", key_lengths), ("key_starts", key_starts)):
+    if call.mask is not None:
+        _check_mask(call.mask, query, (batch, heads, q_len, k_len))
+    for name in ("key_lengths", "key_starts"):
+        bound = getattr(call, name)
         if bound is not None:
             _check_integers(name, bound, query, (batch,), "(batch,)")
             if batch and (bound.min() < 0 or bound.max() > k_len):
                 raise ValueError(f"{name} must lie in [0, k_len={k_len}], got {bound.tolist()}")
-    if document_ids is not None:
+    if call.document_ids is not None:
         _check_integers(
-            "document_ids", document_ids, query, (batch, k_len), "(batch, k_len)"
+            "document_ids", call.document_ids, query, (batch, k_len), "(batch, k_len)"
         )  # fmt: skip
         if q_len > k_len:
             raise ValueError(
                 f"document_ids needs q_len <= k_len (query row i is in the document of key "
                 f"k_len - q_len + i), got q_len={q_len}, k_len={k_len}"
             )
-    if softcap is not None and (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, int | float)
-        or not math.isfinite(softcap)
-        or softcap <= 0
-    ):
+    softcap = call.softcap
+    if softcap is not None and not _positive_finite(softcap):
         raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-    if alibi_slopes is not None:
+    if call.alibi_slopes is not None:
         shapes = ((heads,), (batch, heads))
-        _check_floats("alibi_slopes", alibi_slopes, query, shapes, "(heads,) or (batch, heads)")
-    if sinks is not None:
-        _check_floats("sinks", sinks, query, ((heads,),), "(heads,)")
-    if block_mask is not None:
-        _check_block_mask(block_mask, query, (batch, heads, q_len, k_len))
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_size)
-    elif (
-        isinstance(scale, bool)
-        or not isinstance(scale, int | float)
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
+        _check_floats(
+            "alibi_slopes", call.alibi_slopes, query, shapes, "(heads,) or (batch, heads)"
+        )
+    if call.sinks is not None:
+        _check_floats("sinks", call.sinks, query, ((heads,),), "(heads,)")
+    if call.block_mask is not None:
+        _check_block_mask(call.block_mask, query, (batch, heads, q_len, k_len))
+    scale = 1.0 / math.sqrt(head_size) if call.scale is None else call.scale
+    if not _positive_finite(scale):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    dropout_p = call.dropout_p
     if not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and not dropout_supported:
+    if dropout_p > 0 and not dropout:
         raise ValueError(
             f"dropout_p={dropout_p} asked of an implementation without dropout; "
             "use naive or sdpa for attention dropout"
         )
-    return Shape(batch, heads, kv_heads, q_len, k_len, head_size, float(scale))
+    return Call(**vars(call) | {"scale": float(scale)})
+
+
+def _positive_finite(number: object) -> bool:
+    return (
+        not isinstance(number, bool)
+        and isinstance(number, int | float)
+        and math.isfinite(number)
+        and number > 0
+    )
 
 
 def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) -> None:
@@ -164,8 +257,6 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
 
 
 def _check_block_mask(block_mask, query: Tensor, full: tuple[int, int, int, int]) -> None:
-    from octlm.attention.block_masks import BlockMask
-
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             f"block_mask must be a BlockMask (octlm.attention.block_masks) or None, got "

@@ -10,8 +10,13 @@ queries to one chunk of keys (the context-parallel ring does). Padding hides key
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from octlm.attention.inputs import Call
 
 
 def allowed(
@@ -60,40 +65,30 @@ def fully_visible(rows: range, columns: range, past: int, causal: bool, window: 
     return not (window and past + rows.stop - 1 - columns.start >= window)
 
 
-def dense_mask(
-    q_len: int,
-    k_len: int,
-    causal: bool,
-    window: int,
-    mask: Tensor | None,
-    device=None,
-    key_lengths: Tensor | None = None,
-    key_starts: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    block_mask=None,
-) -> Tensor | None:
-    """The structural rules and a user ``mask`` as one dense mask, for kernels that need one.
+def dense_mask(call: Call) -> Tensor | None:
+    """A checked call's structural rules and ``mask`` as one dense mask, for kernels that need one.
 
-    ``None`` when nothing is hidden; bool (True = may attend) when ``mask`` is bool or absent;
-    a float mask with ``-inf`` at hidden places when ``mask`` is float. ``key_lengths`` and
-    ``key_starts`` (batch,) hide keys outside ``[start, length)``; ``document_ids`` (batch,
-    k_len) hide keys of other documents than the row's (row ``i`` is in the document of key
-    ``k_len - q_len + i``); a ``block_mask`` (:mod:`octlm.attention.block_masks`) adds its
-    pattern.
+    ``None`` when nothing is hidden; bool (True = may attend) when the mask is bool or absent;
+    a float mask with ``-inf`` at hidden places when it is float. ``key_lengths`` and
+    ``key_starts`` hide keys outside ``[start, length)``, ``document_ids`` keys of other
+    documents than the row's (row ``i`` is in the document of key ``past + i``), and a
+    ``block_mask`` (:mod:`octlm.attention.block_masks`) adds its pattern.
     """
-    structural = None
-    if causal or window:
-        structural = allowed(range(q_len), range(k_len), k_len - q_len, causal, window, device)
-    if key_lengths is not None or key_starts is not None:
-        present = padding_mask(key_lengths, range(k_len), key_starts)  # (B, 1, 1, K)
+    structural, columns, device = None, range(call.k_len), call.query.device
+    if call.causal or call.window:
+        rows = range(call.q_len)
+        structural = allowed(rows, columns, call.past, call.causal, call.window, device)
+    if call.key_lengths is not None or call.key_starts is not None:
+        present = padding_mask(call.key_lengths, columns, call.key_starts)  # (B, 1, 1, K)
         structural = present if structural is None else structural & present
-    if document_ids is not None:
-        rows = document_ids[:, k_len - q_len :]  # (B, Q)
-        same = (rows[:, :, None] == document_ids[:, None, :]).unsqueeze(1)  # (B, 1, Q, K)
+    if call.document_ids is not None:
+        own = call.document_ids[:, call.past :]  # (B, Q), each row's document
+        same = (own[:, :, None] == call.document_ids[:, None, :]).unsqueeze(1)  # (B, 1, Q, K)
         structural = same if structural is None else structural & same
-    if block_mask is not None:
-        pattern = block_mask.dense(device)  # (b, h, Q, K)
+    if call.block_mask is not None:
+        pattern = call.block_mask.dense(device)  # (b, h, Q, K)
         structural = pattern if structural is None else structural & pattern
+    mask = call.mask
     if mask is None:
         return structural
     if structural is None:

@@ -11,53 +11,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from octlm.attention.inputs import check_inputs
+from octlm.attention.inputs import Call, attention_function
 from octlm.attention.masks import alibi_bias, dense_mask
 
 NEG_INF = float("-inf")
 
 
-def naive_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    key_lengths: Tensor | None = None,
-    key_starts: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    sinks: Tensor | None = None,
-    block_mask=None,
-) -> Tensor:
+@attention_function()
+def naive_attention(call: Call) -> Tensor:
     """Attention by the definition. Shapes and rules as :func:`octlm.attention.tiled_attention`.
 
     The score modifiers act on the whole score matrix: ``softcap`` bounds the scaled scores,
     ``alibi_slopes`` adds ALiBi's bias, ``sinks`` join each row's softmax as one more logit per
     head. Returns ``(batch, heads, q_len, head_size)`` in the input dtype.
     """
-    shape = check_inputs(
-        query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
-        document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        block_mask=block_mask,
-    )  # fmt: skip
-    key = key.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
-    value = value.repeat_interleave(shape.group, dim=1)  # (B, H, K, D)
-    scores = query @ key.transpose(-2, -1) * shape.scale  # (B, H, Q, K)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, shape.q_len, shape.k_len).to(scores.dtype)
-    hidden = dense_mask(
-        shape.q_len, shape.k_len, causal, window, mask, query.device, key_lengths, key_starts,
-        document_ids, block_mask,
-    )  # fmt: skip
+    query, key, value = call.query, call.key, call.value
+    key = key.repeat_interleave(call.group, dim=1)  # (B, H, K, D)
+    value = value.repeat_interleave(call.group, dim=1)  # (B, H, K, D)
+    scores = query @ key.transpose(-2, -1) * call.scale  # (B, H, Q, K)
+    if call.softcap is not None:
+        scores = call.softcap * torch.tanh(scores / call.softcap)
+    if call.alibi_slopes is not None:
+        scores = scores + alibi_bias(call.alibi_slopes, call.q_len, call.k_len).to(scores.dtype)
+    hidden = dense_mask(call)
     if hidden is not None and hidden.dtype == torch.bool:
         scores = scores.masked_fill(~hidden, float("-inf"))
     elif hidden is not None:
@@ -68,12 +44,12 @@ def naive_attention(
     # seen, so a NaN a row can see makes the row NaN.
     seen = (scores != NEG_INF).any(dim=-1, keepdim=True)  # (B, H, Q, 1)
     logits = scores.masked_fill(~seen, 0.0)
-    if sinks is not None:  # one more logit per row, whose weight multiplies no value
-        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    if call.sinks is not None:  # one more logit per row, whose weight multiplies no value
+        sink = call.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         logits = torch.cat([logits, sink], dim=-1)  # (B, H, Q, K + 1)
-    weights = torch.softmax(logits, dim=-1)[..., : shape.k_len].masked_fill(~seen, 0.0)
-    if dropout_p > 0:
-        weights = F.dropout(weights, dropout_p)
+    weights = torch.softmax(logits, dim=-1)[..., : call.k_len].masked_fill(~seen, 0.0)
+    if call.dropout_p > 0:
+        weights = F.dropout(weights, call.dropout_p)
     broken = ~value.isfinite()  # (B, H, K, D)
     if not broken.any():
         return weights @ value  # (B, H, Q, D)

@@ -2,10 +2,11 @@
 
 Callers (the model, verify, the benchmark worker, the tests) look an implementation up here and
 never branch on its name. Every function takes ``(query, key, value, *, causal, window, mask,
-scale, dropout_p, key_lengths)``; ``tuning`` lists the extra keywords one also accepts (the
-tiled ``block`` and ``kernel``), which change speed, never the result beyond rounding, and
-``features`` the extra keywords that change what is computed (packed documents, left padding,
-score modifiers, sinks).
+scale, dropout_p, key_lengths)`` (``COMMON`` in :mod:`octlm.attention.inputs`, where the call
+is defined once); ``tuning`` lists the extra keywords one also accepts (the tiled ``block``
+and ``kernel``), which change speed, never the result beyond rounding, and ``features`` the
+call's other keywords that it takes, which change what is computed (packed documents, left
+padding, score modifiers, sinks).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from octlm.attention.inputs import FEATURES
 from octlm.attention.naive import naive_attention
 from octlm.attention.ring import ring_attention
 from octlm.attention.sdpa import sdpa_attention
@@ -32,9 +34,6 @@ class Implementation:
     distributed: bool = False  # a collective over a process group: no mask or key_lengths
     features: tuple[str, ...] = ()  # keywords beyond the shared signature that change the result
 
-
-# docs/design.md §2: the structure and score keywords naive, sdpa and tiled all take.
-FEATURES = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks", "block_mask")
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
@@ -82,3 +81,8 @@ def implementation(name: str) -> Implementation:
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {tuple(IMPLEMENTATIONS)}, got {name!r}")
     return IMPLEMENTATIONS[name]
+
+
+def taking(feature: str) -> tuple[str, ...]:
+    """The names of the implementations that take the keyword ``feature``."""
+    return tuple(name for name, impl in IMPLEMENTATIONS.items() if feature in impl.features)

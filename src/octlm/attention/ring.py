@@ -51,14 +51,18 @@ from torch import Tensor
 
 from octlm.attention.blocks import (
     DEFAULT_BLOCK,
+    Rules,
     accumulation_dtype,
     attend_backward,
     attend_forward,
     merge,
     parse_block,
 )
-from octlm.attention.inputs import Shape, check_inputs
+from octlm.attention.inputs import COMMON, Call, attention_function, check
 from octlm.attention.masks import key_range
+
+# The call keywords ring_attention takes: the common ones, and these structure and score ones.
+RING_KEYWORDS = (*COMMON, "document_ids", "softcap", "alibi_slopes", "sinks")
 
 LAYOUTS = ("zigzag", "plain")
 DEFAULT_LAYOUT = "zigzag"
@@ -228,28 +232,20 @@ def _by_rank(values: list) -> str:
     )
 
 
-def _check_call(
-    query: Tensor, key: Tensor, value: Tensor, causal: bool, window: int, mask: Tensor | None,
-    scale: float | None, dropout_p: float, key_lengths: Tensor | None, layout: str,
-    **features,
-) -> Shape:  # fmt: skip
-    """This rank's own checks of a ring_attention call; ``features`` are the structure and
-    score keywords (document ids of this rank's positions, softcap, ALiBi slopes, sinks)."""
+def _check_call(call: Call, layout: str) -> Call:
+    """This rank's own checks of a ring_attention call; the call, checked."""
     _check_layout(layout)
-    for name, given in (("mask", mask), ("key_lengths", key_lengths)):
-        if given is not None:
+    for name in ("mask", "key_lengths"):
+        if getattr(call, name) is not None:
             raise ValueError(f"ring_attention takes no {name}; shard only causal/window rules")
-    shape = check_inputs(
-        query, key, value, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-        dropout_supported=False, **features,
-    )  # fmt: skip
-    if shape.q_len != shape.k_len:
+    call = check(call, dropout=False)
+    if call.q_len != call.k_len:
         raise ValueError(
             "each rank must hold query, key and value for the same positions, got q_len "
-            f"{shape.q_len} and k_len {shape.k_len}"
+            f"{call.q_len} and k_len {call.k_len}"
         )
-    _check_shard(shape.q_len, layout)
-    return shape
+    _check_shard(call.q_len, layout)
+    return call
 
 
 def _shape(x: object) -> tuple[int, ...] | str:
@@ -336,9 +332,11 @@ def _ring_forward(
         keys = ring.pieces(owner, local_len)
         for q, k, past, documents in _visible_pairs(queries, keys, options, ids, key_ids):
             part_out, part_lse = attend_forward(
-                query[:, :, q.span], key[:, :, k.span], value[:, :, k.span], past=past,
-                documents=documents, alibi_slopes=alibi_slopes, **options,
-            )  # (B, H, q.length, D), (B, H, q.length)  # fmt: skip
+                query[:, :, q.span],
+                key[:, :, k.span],
+                value[:, :, k.span],
+                Rules(past=past, documents=documents, alibi_slopes=alibi_slopes, **options),
+            )  # (B, H, q.length, D), (B, H, q.length)
             out[:, :, q.span], lse[:, :, q.span] = merge(
                 out[:, :, q.span], lse[:, :, q.span], part_out, part_lse
             )
@@ -386,8 +384,8 @@ def _ring_backward(
             dq, dk, dv = attend_backward(
                 query[:, :, q.span], key[:, :, k.span], value[:, :, k.span],
                 grad_out[:, :, q.span], lse[:, :, q.span], delta[:, :, q.span],
-                past=past, documents=documents, alibi_slopes=alibi_slopes,
-                grad_alibi=grad_alibi, **options,
+                Rules(past=past, documents=documents, alibi_slopes=alibi_slopes, **options),
+                grad_alibi=grad_alibi,
             )  # fmt: skip
             grad_query[:, :, q.span] += dq
             grad_key[:, :, k.span] += dk
@@ -445,22 +443,11 @@ class _RingAttention(torch.autograd.Function):
         return *grads, None, grad_alibi, grad_sinks, None, None
 
 
+@attention_function(dropout=False, keywords=RING_KEYWORDS, checked=False)
 def ring_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
+    call: Call,
     *,
     group: dist.ProcessGroup | None = None,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    key_lengths: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    sinks: Tensor | None = None,
     layout: str = DEFAULT_LAYOUT,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
 ) -> Tensor:
@@ -496,28 +483,30 @@ def ring_attention(
     Returns:
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
-    try:
-        shape = _check_call(
-            query, key, value, causal, window, mask, scale, dropout_p, key_lengths, layout,
-            document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        )  # fmt: skip
-        scale, block, problem = shape.scale, parse_block(block), None
+    try:  # checked here, not before: every rank must reach _agree, even one whose call is bad
+        call, block, problem = _check_call(call, layout), parse_block(block), None
     except (TypeError, ValueError) as error:
         problem = error
+    query, key, value = call.query, call.key, call.value
     description = {
         "dtype": getattr(query, "dtype", None),
         "device": query.device.type if isinstance(query, Tensor) else None,
         "query shape": _shape(query), "key shape": _shape(key), "value shape": _shape(value),
-        "causal": causal, "window": window, "layout": layout, "scale": scale, "block": block,
-        "dropout_p": dropout_p, "mask": mask is not None, "key_lengths": key_lengths is not None,
-        "document_ids": _shape(document_ids), "softcap": softcap,
-        "alibi_slopes": _shape(alibi_slopes), "sinks": _shape(sinks),
+        "causal": call.causal, "window": call.window, "layout": layout, "scale": call.scale,
+        "block": block, "dropout_p": call.dropout_p, "mask": call.mask is not None,
+        "key_lengths": call.key_lengths is not None, "document_ids": _shape(call.document_ids),
+        "softcap": call.softcap, "alibi_slopes": _shape(call.alibi_slopes),
+        "sinks": _shape(call.sinks),
     }  # fmt: skip
     group, rank, world = _agree(group, "ring_attention", description, problem)
-    options = dict(causal=causal, window=window, scale=scale, block=block, softcap=softcap)
+    options = dict(
+        causal=call.causal, window=call.window, scale=call.scale, block=block,
+        softcap=call.softcap,
+    )  # fmt: skip
     ring = _Ring(group, rank, world, layout)
     # Point-to-point sends need contiguous tensors (the model's values are a transposed view).
-    ids = None if document_ids is None else document_ids.contiguous()
+    ids = None if call.document_ids is None else call.document_ids.contiguous()
     return _RingAttention.apply(
-        query, key.contiguous(), value.contiguous(), ids, alibi_slopes, sinks, ring, options
-    )
+        query, key.contiguous(), value.contiguous(), ids, call.alibi_slopes, call.sinks, ring,
+        options,
+    )  # fmt: skip

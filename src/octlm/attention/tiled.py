@@ -10,52 +10,47 @@ block's probabilities from them. For CUDA tensors ``kernel="auto"`` takes the Tr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from octlm.attention.blocks import (
     DEFAULT_BLOCK,
     RowStats,
+    Rules,
     attend_backward,
     forward_rows,
     parse_block,
     sink_gradient,
     unfold_heads,
 )
-from octlm.attention.inputs import check_inputs
+from octlm.attention.inputs import FEATURES, Call, attention_function
 
 
 class _TiledAttention(torch.autograd.Function):
     """Autograd through the block steps; saves query, key, value, output and the per-row shift
-    and sum of the online softmax (docs/design.md §7)."""
+    and sum of the online softmax (docs/design.md §7). The caller's tensors (``TENSORS``) come
+    in one by one, so that autograd sees them, and join the tensor-free ``rules`` here."""
 
     @staticmethod
     def forward(
         ctx, query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
-        options,
+        rules,
     ):  # fmt: skip
-        structure = dict(key_lengths=key_lengths, key_starts=key_starts)
-        structure["documents"] = _documents(document_ids, options["past"])
-        out, rows = forward_rows(
-            query, key, value, mask=mask, alibi_slopes=alibi_slopes, sinks=sinks, **structure,
-            **options,
-        )  # fmt: skip
+        tensors = mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks
+        out, rows = forward_rows(query, key, value, _rules_with(rules, *tensors))
         out = out.to(query.dtype)
-        ctx.save_for_backward(
-            query, key, value, out, rows.shift, rows.total, mask, key_lengths, key_starts,
-            document_ids, alibi_slopes, sinks,
-        )  # fmt: skip
-        ctx.options, ctx.units, ctx.careful = options, rows.units, rows.careful
+        ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, *tensors)
+        ctx.rules, ctx.units, ctx.careful = rules, rows.units, rows.careful
         lse = rows.lse()
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        (
-            query, key, value, out, shift, total, mask, key_lengths, key_starts, document_ids,
-            alibi_slopes, sinks,
-        ) = ctx.saved_tensors  # fmt: skip
+        query, key, value, out, shift, total, *tensors = ctx.saved_tensors
+        mask, _, _, _, alibi_slopes, sinks = tensors
         delta = (grad_out.to(shift.dtype) * out.to(shift.dtype)).sum(dim=-1)  # (B, H, Q)
         grad_mask = None
         if mask is not None and ctx.needs_input_grad[3]:
@@ -69,10 +64,8 @@ class _TiledAttention(torch.autograd.Function):
             )
         rows = RowStats(shift, total, ctx.units, ctx.careful)
         grad_query, grad_key, grad_value = attend_backward(
-            query, key, value, grad_out, rows, delta, mask=mask, key_lengths=key_lengths,
-            key_starts=key_starts, documents=_documents(document_ids, ctx.options["past"]),
-            grad_mask=grad_mask, alibi_slopes=alibi_slopes, grad_alibi=grad_alibi,
-            **ctx.options,
+            query, key, value, grad_out, rows, delta, _rules_with(ctx.rules, *tensors),
+            grad_mask=grad_mask, grad_alibi=grad_alibi,
         )  # fmt: skip
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
@@ -98,28 +91,19 @@ class _TiledAttention(torch.autograd.Function):
         )
 
 
-def _documents(document_ids: Tensor | None, past: int) -> tuple[Tensor, Tensor] | None:
-    """Query and key document ids: row ``i`` is in the document of key ``past + i``."""
-    return None if document_ids is None else (document_ids[:, past:], document_ids)
+def _rules_with(rules, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks) -> Rules:
+    """``rules`` with the caller's tensors; row ``i`` is in the document of key ``past + i``."""
+    documents = None if document_ids is None else (document_ids[:, rules.past :], document_ids)
+    return replace(
+        rules, mask=mask, key_lengths=key_lengths, key_starts=key_starts, documents=documents,
+        alibi_slopes=alibi_slopes, sinks=sinks,
+    )  # fmt: skip
 
 
+@attention_function(dropout=False)
 def tiled_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
+    call: Call,
     *,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    key_lengths: Tensor | None = None,
-    key_starts: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    sinks: Tensor | None = None,
-    block_mask=None,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     return_lse: bool = False,
     kernel: str = "auto",
@@ -166,8 +150,9 @@ def tiled_attention(
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
             picks its own tiles) for CUDA tensors when Triton is installed, no ``mask``,
             ``key_lengths`` is given, the dtype is not float64 and ``head_size <= 256``; the
-            plain-PyTorch blocks otherwise (always for :data:`PYTORCH_ONLY` arguments).
-            ``"pytorch"`` or ``"triton"`` force one.
+            plain-PyTorch blocks otherwise (always for ``key_starts`` and the keywords after
+            it, which ``triton_attention`` does not take). ``"pytorch"`` or ``"triton"`` force
+            one.
 
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
@@ -175,51 +160,35 @@ def tiled_attention(
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     block = parse_block(block)  # checked on every path, used by the PyTorch one
-    given = dict(
-        key_starts=key_starts, document_ids=document_ids, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
-    )  # fmt: skip
-    pytorch_only = [name for name in PYTORCH_ONLY if given[name] is not None]
+    pytorch_only = [name for name in FEATURES if getattr(call, name) is not None]
     if kernel == "triton" and pytorch_only:
         raise ValueError(
             f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
         )
-    if kernel == "triton" or (
-        kernel == "auto" and not pytorch_only and _triton_fits(query, mask, key_lengths)
-    ):
+    if kernel == "triton" or (kernel == "auto" and not pytorch_only and _triton_fits(call)):
         from octlm.attention.triton_flash import triton_attention
 
-        return triton_attention(
-            query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-            dropout_p=dropout_p, key_lengths=key_lengths, return_lse=return_lse,
-        )  # fmt: skip
-    shape = check_inputs(
-        query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-        dropout_p=dropout_p, dropout_supported=False, key_lengths=key_lengths,
-        key_starts=key_starts, document_ids=document_ids, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
+        return triton_attention.core(call, return_lse=return_lse)
+    rules = Rules(
+        past=call.past, scale=call.scale, causal=call.causal, window=call.window, block=block,
+        softcap=call.softcap, block_mask=call.block_mask,
     )  # fmt: skip
-    options = dict(
-        past=shape.past, causal=causal, window=window, scale=shape.scale, block=block,
-        softcap=softcap, block_mask=block_mask,
-    )  # fmt: skip
-    out, lse = _TiledAttention.apply(
-        query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
-        options,
-    )  # fmt: skip
+    tensors = [getattr(call, name) for name in TENSORS]
+    out, lse = _TiledAttention.apply(call.query, call.key, call.value, *tensors, rules)
     return (out, lse) if return_lse else out
 
 
 KERNELS = ("auto", "pytorch", "triton")
-# Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
-PYTORCH_ONLY = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks", "block_mask")
+# The caller's tensors that the autograd function takes, in its order.
+TENSORS = ("mask", "key_lengths", "key_starts", "document_ids", "alibi_slopes", "sinks")
 
 
-def _triton_fits(query: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> bool:
-    """Whether ``kernel="auto"`` should take the Triton kernel for these inputs."""
-    if not isinstance(query, Tensor) or not query.is_cuda or mask is not None:
+def _triton_fits(call: Call) -> bool:
+    """Whether ``kernel="auto"`` should take the Triton kernel for this call."""
+    query = call.query
+    if not query.is_cuda or call.mask is not None or call.key_lengths is not None:
         return False
-    if key_lengths is not None or query.dtype == torch.float64 or query.shape[-1] > 256:
+    if query.dtype == torch.float64 or call.head_size > 256:
         return False
     try:
         from octlm.attention.triton_flash import is_available

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from octlm.attention.inputs import check_inputs
+from octlm.attention.inputs import COMMON, Call, attention_function
 
 try:
     import triton
@@ -406,19 +406,8 @@ class _TritonAttention(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def triton_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    causal: bool = True,
-    window: int = 0,
-    mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    key_lengths: Tensor | None = None,
-    return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+@attention_function(dropout=False, keywords=COMMON)
+def triton_attention(call: Call, *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention by FlashAttention-2 Triton kernels, differentiable.
 
     Args:
@@ -438,16 +427,14 @@ def triton_attention(
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
         Gradients are deterministic: no atomics, GQA groups summed in a fixed order.
     """
+    mask, key_lengths = call.mask, call.key_lengths
     if mask is not None or key_lengths is not None:
         raise ValueError(
             "triton_attention supports no mask or key_lengths (got "
             f"mask={'a tensor' if mask is not None else None}, key_lengths="
             f"{'a tensor' if key_lengths is not None else None}); use tiled_attention for them"
         )
-    shape = check_inputs(
-        query, key, value, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-        dropout_supported=False,
-    )  # fmt: skip
+    query, key, value = call.query, call.key, call.value
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"triton_attention takes float16, bfloat16 or float32 inputs, got {query.dtype}"
@@ -457,9 +444,9 @@ def triton_attention(
             "Triton's CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 wrongly; use "
             "float16 or float32 there, or a GPU"
         )
-    if shape.head_size > MAX_HEAD_SIZE:
+    if call.head_size > MAX_HEAD_SIZE:
         raise ValueError(
-            f"triton_attention takes head_size <= {MAX_HEAD_SIZE}, got {shape.head_size}"
+            f"triton_attention takes head_size <= {MAX_HEAD_SIZE}, got {call.head_size}"
         )
     if not is_available(query.device):
         raise ValueError(
@@ -468,5 +455,5 @@ def triton_attention(
             "Triton is first imported"
         )
     query, key, value = _unit_last(query), _unit_last(key), _unit_last(value)
-    out, lse = _TritonAttention.apply(query, key, value, causal, window, shape.scale)
+    out, lse = _TritonAttention.apply(query, key, value, call.causal, call.window, call.scale)
     return (out, lse) if return_lse else out

@@ -4,6 +4,30 @@ from __future__ import annotations
 
 from octlm.report.format import NOT_MEASURED, table
 
+# (check, the Day 2 note's figure, the record field whose worst value is shown, which records).
+ROWS = (
+    (
+        "tiled vs SDPA, float32, lengths 128-1,024, blocks 64-256", "4.8e-7",
+        "max_abs_diff", dict(experiment="tiled-sdpa", left="tiled"),
+    ),
+    (
+        "tiled vs float64 reference (same cases)", "not in the note",
+        "error", dict(experiment="tiled-sdpa", left="tiled"),
+    ),
+    (
+        "SDPA vs float64 reference (same lengths)", "not in the note",
+        "error", dict(experiment="tiled-sdpa", left="sdpa"),
+    ),
+    (
+        "whole model, SDPA vs naive logits, 8/4/2/1 KV heads", "1.1e-6",
+        "max_abs_diff", dict(check="model logits", left="sdpa"),
+    ),
+    (
+        "whole model, tiled vs naive logits, 8/4/2/1 KV heads", "not in the note",
+        "max_abs_diff", dict(check="model logits", left="tiled"),
+    ),
+)  # fmt: skip
+
 
 def section(checks: list[dict]) -> list[str]:
     """Worst figures of each experiment's latest run, with how many checks passed."""
@@ -19,31 +43,7 @@ def section(checks: list[dict]) -> list[str]:
         return f"{max(r[field] for r in found):.2g} ({passed}/{len(found)} pass)"
 
     body = [
-        [
-            "tiled vs SDPA, float32, lengths 128-1,024, blocks 64-256",
-            "4.8e-7",
-            worst("max_abs_diff", experiment="tiled-sdpa", left="tiled", dtype="float32"),
-        ],
-        [
-            "tiled vs float64 reference (same cases)",
-            "not in the note",
-            worst("error", experiment="tiled-sdpa", left="tiled", dtype="float32"),
-        ],
-        [
-            "SDPA vs float64 reference (same lengths)",
-            "not in the note",
-            worst("error", experiment="tiled-sdpa", left="sdpa", dtype="float32"),
-        ],
-        [
-            "whole model, SDPA vs naive logits, 8/4/2/1 KV heads",
-            "1.1e-6",
-            worst("max_abs_diff", check="model logits", left="sdpa", dtype="float32"),
-        ],
-        [
-            "whole model, tiled vs naive logits, 8/4/2/1 KV heads",
-            "not in the note",
-            worst("max_abs_diff", check="model logits", left="tiled", dtype="float32"),
-        ],
+        [check, note, worst(field, dtype="float32", **want)] for check, note, field, want in ROWS
     ]
     failed = sum(not r["passed"] for r in checks)
     runs = len({(r["experiment"], r.get("run")) for r in checks})

@@ -157,14 +157,8 @@ def _dtypes(found: Collected) -> list[str]:
             f"{shape['device']} {shape['backend']} {where}", f"{dtype} ÷ float32", spread(ratios),
             _flagged(found_pairs),
         ])  # fmt: skip
-    if not body:
-        return []
     header = ["Backend and shape", "Ratio", "Median (min–max, rounds)", "Rounds on a busy machine"]
-    return [
-        "### Lower precision against float32, within a round (longest length)",
-        "",
-        *table(header, body),
-    ]
+    return _titled("Lower precision against float32, within a round (longest length)", header, body)
 
 
 def _contention(found: Collected) -> list[str]:
@@ -187,15 +181,24 @@ def _contention(found: Collected) -> list[str]:
         if any(busy(idle) for _, idle in [*tiled, *flash]):
             met = "not judged: the idle runs were on a busy machine"
         body.append([*cells, spread(list(flash_growth.values())), spread(relative), met])
+    header = ["Shape", "tiled busy ÷ idle", "FLASH busy ÷ idle", "tiled growth ÷ FLASH growth"]
+    return _titled(
+        "Under contention (`--busy`: one CPU-bound process beside the measurement)",
+        [*header, "Met"],
+        body,
+        f"Target: tiled's growth at most {CONTENTION_TARGET:g}× FLASH's.",
+    )
+
+
+def _titled(title: str, header: list[str], body: list[list[str]], *notes: str) -> list[str]:
+    """A subsection: title, notes, table; nothing at all when the table has no rows."""
     if not body:
         return []
-    header = ["Shape", "tiled busy ÷ idle", "FLASH busy ÷ idle", "tiled growth ÷ FLASH growth"]
     return [
-        "### Under contention (`--busy`: one CPU-bound process beside the measurement)",
+        f"### {title}",
         "",
-        f"Target: tiled's growth at most {CONTENTION_TARGET:g}× FLASH's.",
-        "",
-        *table([*header, "Met"], body),
+        *(line for note in notes for line in (note, "")),
+        *table(header, body),
     ]
 
 

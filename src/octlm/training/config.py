@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from octlm.attention import IMPLEMENTATIONS
+from octlm.attention.registry import taking
 from octlm.model import ModelConfig, OctLM, is_int_at_least
 from octlm.training.data import VOCAB
 
@@ -157,8 +158,22 @@ def resolve(
     file: str | Path | None = None,
     model: dict | None = None,
     run: dict | None = None,
+    *,
+    resume: str | Path | None = None,
 ) -> tuple[ModelConfig, RunConfig]:
-    """Defaults, then ``preset``, then ``file``, then the explicit ``model`` and ``run`` values."""
+    """Defaults, then ``preset``, then ``file``, then the explicit ``model`` and ``run`` values.
+
+    ``resume`` is the folder of a run to continue: its stored configuration is the file, and
+    only the flags given to resume it change it.
+    """
+    if resume is not None:
+        if preset is not None or file is not None:
+            raise ValueError(
+                "--resume takes the run's own configuration: drop --preset and --config"
+            )
+        file = Path(resume) / CONFIG_FILE
+        if not file.is_file():
+            raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
     model_fields = {f.name for f in fields(ModelConfig)}
@@ -178,22 +193,6 @@ def resolve(
     return model_config, run_config
 
 
-def resolve_resumed(
-    folder: str | Path,
-    preset: str | None = None,
-    file: str | Path | None = None,
-    model: dict | None = None,
-    run: dict | None = None,
-) -> tuple[ModelConfig, RunConfig]:
-    """The configuration of the run kept in ``folder``, with the flags given to resume it."""
-    if preset is not None or file is not None:
-        raise ValueError("--resume takes the run's own configuration: drop --preset and --config")
-    stored = Path(folder) / CONFIG_FILE
-    if not stored.is_file():
-        raise ValueError(f"--resume: {str(folder)!r} holds no run (no {CONFIG_FILE})")
-    return resolve(file=stored, model=model, run=run)
-
-
 def model_from_dict(values: dict) -> ModelConfig:
     """A ``ModelConfig`` from JSON or TOML values (which have lists where it has tuples)."""
     if isinstance(values.get("block"), list):
@@ -207,10 +206,10 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
         raise ValueError(f"byte tokens need vocab_size >= {VOCAB}, got {model.vocab_size}")
     if run.length > model.max_length:
         raise ValueError(f"length ({run.length}) exceeds max_length ({model.max_length})")
-    if run.pack and "document_ids" not in IMPLEMENTATIONS[model.attention].features:
-        takes = tuple(n for n, impl in IMPLEMENTATIONS.items() if "document_ids" in impl.features)
+    if run.pack and model.attention not in taking("document_ids"):
         raise ValueError(
-            f"--pack needs attention that takes document_ids {takes}, got {model.attention!r}"
+            f"--pack needs attention that takes document_ids {taking('document_ids')}, got "
+            f"{model.attention!r}"
             + (" (--context-parallel runs ring attention)" if run.context_parallel else "")
         )
     if model.attention == "ring" and not run.context_parallel:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from octlm.attention import naive_attention, sdpa_attention, tiled_attention
-from octlm.attention.blocks import attend_forward, merge, parse_block
+from octlm.attention.blocks import Rules, attend_forward, merge, parse_block
 from octlm.attention.masks import allowed
 from octlm.equality import GRADIENT_FACTOR, judge, max_abs_diff
 from octlm.verify.cases import QKV, Case, attend, inputs, record
@@ -147,10 +147,12 @@ def _partial_steps(query: Tensor, key: Tensor, value: Tensor, case: Case):
     merged = None
     for start in range(0, case.length, block[1]):
         stop = min(start + block[1], case.length)
-        prefix = attend_forward(query, key[:, :, :stop], value[:, :, :stop], past=0, **options)
+        prefix = attend_forward(
+            query, key[:, :, :stop], value[:, :, :stop], Rules(past=0, **options)
+        )
         # Query row i sits at key position i: in this chunk's own numbering, i - start.
         chunk = attend_forward(
-            query, key[:, :, start:stop], value[:, :, start:stop], past=-start, **options
+            query, key[:, :, start:stop], value[:, :, start:stop], Rules(past=-start, **options)
         )
         merged = chunk if merged is None else merge(*merged, *chunk)
         yield stop, {"prefix": prefix, "merged": merged}
