@@ -4,6 +4,7 @@ run keeps every record it finished."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -157,7 +158,12 @@ def test_structure_cases_cover_every_implementation_and_catch_an_ignored_keyword
     """Every structure case runs in each single-process implementation that lists its keywords
     (sdpa and tiled besides the naive base); a tiled that ignores document ids fails exactly
     the document checks, output and gradients, and no other."""
-    monkeypatch.setattr(octlm.attention.tiled, "_documents", lambda document_ids, past: None)
+    honest = octlm.attention.tiled._rules_with
+
+    def without_documents(rules, *tensors):
+        return dataclasses.replace(honest(rules, *tensors), documents=None)
+
+    monkeypatch.setattr(octlm.attention.tiled, "_rules_with", without_documents)
     argv = ["verify", "--quick", "--out", str(tmp_path), "--dtype", "float32", "--only"]
     assert cli.main([*argv, "structure"]) == 1
     found = lines(tmp_path)
