@@ -71,16 +71,16 @@ def _key_bounds(BOUNDS, batch, k_len, PADDED: tl.constexpr):
 
 
 @_jit
-def _documents(docs_base, first, k_len, BLOCK: tl.constexpr):
-    """Document ids of key positions ``first ..`` ``(BLOCK,)`` and their smallest and largest.
-
-    ``first < k_len`` always, so positions past ``k_len`` take the first one's id and widen
-    neither bound.
-    """
-    positions = first + tl.arange(0, BLOCK)
-    ids = tl.load(docs_base + positions, mask=positions < k_len, other=0)
-    ids = tl.where(positions < k_len, ids, tl.load(docs_base + first))
-    return ids, tl.min(ids, 0), tl.max(ids, 0)
+def _document_span(DOCS, batch, stride_db, first, k_len, BLOCK: tl.constexpr):
+    """The documents of key positions ``first .. first + BLOCK - 1`` ``(BLOCK,)``, each named by
+    the position where it first appears in the row, and the keys ``[low, high)`` that all of
+    them span. ``first < k_len``; positions past ``k_len`` repeat its document."""
+    base = DOCS + batch * stride_db  # (2, K): first position, and one past the last, per key
+    positions = first + tl.arange(0, BLOCK)  # (BLOCK,)
+    positions = tl.where(positions < k_len, positions, first)
+    docs = tl.load(base + positions)  # (BLOCK,)
+    ends = tl.load(base + k_len + positions)  # (BLOCK,)
+    return docs, tl.min(docs, 0), tl.max(ends, 0)
 
 
 @_jit
@@ -192,38 +192,34 @@ def _forward_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # (M,)
     running_sum = tl.zeros([BLOCK_M], tl.float32)  # (M,) sum of exp2(score - running_max)
     acc = tl.zeros([BLOCK_M, HEAD_BLOCK], tl.float32)  # (M, D) unnormalised output
-    if DOCUMENTS:  # row i is in the document of key past + i
-        docs_base = DOCS + batch * stride_db
-        row_docs, row_low, row_high = _documents(docs_base, past + start_m, k_len, BLOCK_M)
 
     lo, hi = _key_range(start_m, past, k_lo, k_hi, window, BLOCK_M, BLOCK_N, CAUSAL)
+    if DOCUMENTS:  # row i is in the document of key past + i; keys outside them are skipped
+        row_docs, low, high = _document_span(DOCS, batch, stride_db, past + start_m, k_len,
+                                             BLOCK_M)  # fmt: skip
+        lo = tl.maximum(lo, low // BLOCK_N * BLOCK_N)
+        hi = tl.minimum(hi, high)
     for start_n in range(lo, hi, BLOCK_N):
-        shares = True  # whether this key block shares a document with the query block
+        cols = start_n + tl.arange(0, BLOCK_N)  # (N,) keys
+        k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
+        products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
+        position = past + rows[:, None]  # (M, 1)
+        scores, _ = _scores(products, position, cols[None, :], scale, softcap, slope,
+                            SOFTCAP, ALIBI)  # fmt: skip
+        visible = _visible(position, cols[None, :], k_lo, k_hi, window, CAUSAL)  # (M, N)
         if DOCUMENTS:
-            key_docs, low, high = _documents(docs_base, start_n, k_len, BLOCK_N)
-            shares = (low <= row_high) & (high >= row_low)
-        if shares:
-            cols = start_n + tl.arange(0, BLOCK_N)  # (N,) keys
-            k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len,
-                                       dim_ok)  # fmt: skip
-            products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
-            position = past + rows[:, None]  # (M, 1)
-            scores, _ = _scores(products, position, cols[None, :], scale, softcap, slope,
-                                SOFTCAP, ALIBI)  # fmt: skip
-            visible = _visible(position, cols[None, :], k_lo, k_hi, window, CAUSAL)  # (M, N)
-            if DOCUMENTS:
-                visible = visible & (row_docs[:, None] == key_docs[None, :])
-            scores = tl.where(visible, scores, float("-inf"))
-            block_max = tl.maximum(running_max, tl.max(scores, 1))  # (M,)
-            # A row that has seen nothing yet keeps max -inf; shifting by 0 there makes its
-            # weights exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
-            shift = tl.where(block_max == float("-inf"), 0.0, block_max)  # (M,)
-            correction = tl.exp2(running_max - shift)  # (M,) rescales what was summed so far
-            weights = tl.exp2(scores - shift[:, None])  # (M, N)
-            running_sum = running_sum * correction + tl.sum(weights, 1)
-            acc = tl.dot(weights.to(v.dtype), v, acc * correction[:, None],
-                         input_precision=PRECISION)  # fmt: skip
-            running_max = block_max
+            key_docs, _, _ = _document_span(DOCS, batch, stride_db, start_n, k_len, BLOCK_N)
+            visible = visible & (row_docs[:, None] == key_docs[None, :])
+        scores = tl.where(visible, scores, float("-inf"))
+        block_max = tl.maximum(running_max, tl.max(scores, 1))  # (M,)
+        # A row that has seen nothing yet keeps max -inf; shifting by 0 there makes its
+        # weights exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
+        shift = tl.where(block_max == float("-inf"), 0.0, block_max)  # (M,)
+        correction = tl.exp2(running_max - shift)  # (M,) rescales what was summed so far
+        weights = tl.exp2(scores - shift[:, None])  # (M, N)
+        running_sum = running_sum * correction + tl.sum(weights, 1)
+        acc = tl.dot(weights.to(v.dtype), v, acc * correction[:, None], input_precision=PRECISION)
+        running_max = block_max
 
     if SINK:  # one more logit per row, with no value: it joins the sum and shrinks the output
         sink = tl.load(SINKS + head) * 1.4426950408889634
@@ -274,13 +270,14 @@ def _key_value_grad_kernel(
     k_lo, k_hi = _key_bounds(BOUNDS, batch, k_len, PADDED)
     grad_key = tl.zeros([BLOCK_N, HEAD_BLOCK], tl.float32)  # (N, D), per unit of scores
     grad_value = tl.zeros([BLOCK_N, HEAD_BLOCK], tl.float32)  # (N, D)
-    if DOCUMENTS:
-        docs_base = DOCS + batch * stride_db
-        key_docs, low, high = _documents(docs_base, start_n, k_len, BLOCK_N)
 
     lo, hi = _query_range(start_n, past, q_len, window, BLOCK_M, BLOCK_N, CAUSAL)
     if PADDED:  # a block of padding keys is seen by no row
         hi = tl.where((start_n + BLOCK_N > k_lo) & (start_n < k_hi), hi, lo)
+    if DOCUMENTS:  # rows outside this block's documents are skipped
+        key_docs, low, high = _document_span(DOCS, batch, stride_db, start_n, k_len, BLOCK_N)
+        lo = tl.maximum(lo, tl.maximum(low - past, 0) // BLOCK_M * BLOCK_M)
+        hi = tl.minimum(hi, high - past)
     for member in range(group):  # the query heads that read this kv head
         head = kv_head * group + member
         q_base = Q + batch * stride_qb + head * stride_qh
@@ -288,39 +285,35 @@ def _key_value_grad_kernel(
         stats = (batch * heads + head) * q_len  # where this head's rows start in LSE, DELTA
         slope = _slope(SLOPES, batch, head, stride_sb, ALIBI)
         for start_m in range(lo, hi, BLOCK_M):
-            shares = True  # whether this query block shares a document with the key block
+            rows = start_m + tl.arange(0, BLOCK_M)  # (M,) query rows
+            row_ok = rows < q_len
+            q_ok = row_ok[:, None] & dim_ok[None, :]  # (M, D)
+            q_at = rows[:, None] * stride_ql + dims[None, :]  # (M, D) offsets, also for dO
+            q = tl.load(q_base + q_at, mask=q_ok, other=0.0)  # (M, D)
+            grad_out = tl.load(do_base + q_at, mask=q_ok, other=0.0)  # (M, D)
+            lse, delta = _row_stats(LSE, DELTA, stats, rows, row_ok)  # (M,), (M,)
+            products_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (N, M)
+            position = past + rows[None, :]  # (1, M)
+            scores_t, tanh_t = _scores(products_t, position, cols[:, None], scale, softcap,
+                                       slope, SOFTCAP, ALIBI)  # fmt: skip
+            visible = _visible(position, cols[:, None], k_lo, k_hi, window, CAUSAL)
+            visible = visible & row_ok[None, :]  # (N, M)
             if DOCUMENTS:
-                row_docs, row_low, row_high = _documents(docs_base, past + start_m, k_len,
-                                                         BLOCK_M)  # fmt: skip
-                shares = (low <= row_high) & (high >= row_low)
-            if shares:
-                rows = start_m + tl.arange(0, BLOCK_M)  # (M,) query rows
-                row_ok = rows < q_len
-                q_ok = row_ok[:, None] & dim_ok[None, :]  # (M, D)
-                q_at = rows[:, None] * stride_ql + dims[None, :]  # (M, D) offsets, also for dO
-                q = tl.load(q_base + q_at, mask=q_ok, other=0.0)  # (M, D)
-                grad_out = tl.load(do_base + q_at, mask=q_ok, other=0.0)  # (M, D)
-                lse, delta = _row_stats(LSE, DELTA, stats, rows, row_ok)  # (M,), (M,)
-                products_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (N, M)
-                position = past + rows[None, :]  # (1, M)
-                scores_t, tanh_t = _scores(products_t, position, cols[:, None], scale, softcap,
-                                           slope, SOFTCAP, ALIBI)  # fmt: skip
-                visible = _visible(position, cols[:, None], k_lo, k_hi, window, CAUSAL)
-                visible = visible & row_ok[None, :]  # (N, M)
-                if DOCUMENTS:
-                    visible = visible & (key_docs[:, None] == row_docs[None, :])
-                scores_t = tl.where(visible, scores_t, float("-inf"))
-                probs_t = tl.exp2(scores_t - lse[None, :])  # (N, M), the forward's weights
-                grad_value = tl.dot(
-                    probs_t.to(grad_out.dtype), grad_out, grad_value, input_precision=PRECISION
-                )  # (N, D) += Pᵀ dO
-                grad_probs_t = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)  # (N, M)
-                grad_scores_t = probs_t * (grad_probs_t - delta[None, :])  # (N, M) softmax VJP
-                if SOFTCAP:  # through the cap: d tanh = 1 - tanh²
-                    grad_scores_t = grad_scores_t * (1.0 - tanh_t * tanh_t)
-                grad_key = tl.dot(
-                    grad_scores_t.to(q.dtype), q, grad_key, input_precision=PRECISION
-                )  # (N, D) += dSᵀ Q
+                row_docs, _, _ = _document_span(DOCS, batch, stride_db, past + start_m,
+                                                k_len, BLOCK_M)  # fmt: skip
+                visible = visible & (key_docs[:, None] == row_docs[None, :])
+            scores_t = tl.where(visible, scores_t, float("-inf"))
+            probs_t = tl.exp2(scores_t - lse[None, :])  # (N, M), the forward's weights
+            grad_value = tl.dot(
+                probs_t.to(grad_out.dtype), grad_out, grad_value, input_precision=PRECISION
+            )  # (N, D) += Pᵀ dO
+            grad_probs_t = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)  # (N, M)
+            grad_scores_t = probs_t * (grad_probs_t - delta[None, :])  # (N, M) softmax VJP
+            if SOFTCAP:  # through the cap: d tanh = 1 - tanh²
+                grad_scores_t = grad_scores_t * (1.0 - tanh_t * tanh_t)
+            grad_key = tl.dot(
+                grad_scores_t.to(q.dtype), q, grad_key, input_precision=PRECISION
+            )  # (N, D) += dSᵀ Q
 
     grad_at = batch * stride_gb + kv_head * stride_gh + cols[:, None] * stride_gl + dims[None, :]
     tl.store(DK + grad_at, (grad_key * scale).to(DK.dtype.element_ty), mask=kv_ok)
@@ -364,38 +357,35 @@ def _query_grad_kernel(
     slope = _slope(SLOPES, batch, head, stride_sb, ALIBI)
     grad_query = tl.zeros([BLOCK_M, HEAD_BLOCK], tl.float32)  # (M, D), per unit of scores
     grad_slope = tl.zeros([BLOCK_M], tl.float32)  # (M,) -sum of dS * distance, per row
-    if DOCUMENTS:  # row i is in the document of key past + i
-        docs_base = DOCS + batch * stride_db
-        row_docs, row_low, row_high = _documents(docs_base, past + start_m, k_len, BLOCK_M)
 
     lo, hi = _key_range(start_m, past, k_lo, k_hi, window, BLOCK_M, BLOCK_N, CAUSAL)
+    if DOCUMENTS:  # row i is in the document of key past + i; keys outside them are skipped
+        row_docs, low, high = _document_span(DOCS, batch, stride_db, past + start_m, k_len,
+                                             BLOCK_M)  # fmt: skip
+        lo = tl.maximum(lo, low // BLOCK_N * BLOCK_N)
+        hi = tl.minimum(hi, high)
     for start_n in range(lo, hi, BLOCK_N):
-        shares = True  # whether this key block shares a document with the query block
+        cols = start_n + tl.arange(0, BLOCK_N)  # (N,)
+        k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
+        products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
+        position = past + rows[:, None]  # (M, 1)
+        scores, tanh = _scores(products, position, cols[None, :], scale, softcap, slope,
+                               SOFTCAP, ALIBI)  # fmt: skip
+        visible = _visible(position, cols[None, :], k_lo, k_hi, window, CAUSAL)  # (M, N)
         if DOCUMENTS:
-            key_docs, low, high = _documents(docs_base, start_n, k_len, BLOCK_N)
-            shares = (low <= row_high) & (high >= row_low)
-        if shares:
-            cols = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len,
-                                       dim_ok)  # fmt: skip
-            products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
-            position = past + rows[:, None]  # (M, 1)
-            scores, tanh = _scores(products, position, cols[None, :], scale, softcap, slope,
-                                   SOFTCAP, ALIBI)  # fmt: skip
-            visible = _visible(position, cols[None, :], k_lo, k_hi, window, CAUSAL)  # (M, N)
-            if DOCUMENTS:
-                visible = visible & (row_docs[:, None] == key_docs[None, :])
-            probs = tl.exp2(tl.where(visible, scores, float("-inf")) - lse[:, None])  # (M, N)
-            grad_probs = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)  # (M, N)
-            grad_scores = probs * (grad_probs - delta[:, None])  # (M, N)
-            if SLOPE_GRAD:  # the bias is -slope * distance
-                distance = tl.abs(position - cols[None, :]).to(tl.float32)  # (M, N)
-                grad_slope -= tl.sum(grad_scores * distance, 1)
-            if SOFTCAP:  # through the cap: d tanh = 1 - tanh²
-                grad_scores = grad_scores * (1.0 - tanh * tanh)
-            grad_query = tl.dot(
-                grad_scores.to(k.dtype), k, grad_query, input_precision=PRECISION
-            )  # (M, D) += dS K
+            key_docs, _, _ = _document_span(DOCS, batch, stride_db, start_n, k_len, BLOCK_N)
+            visible = visible & (row_docs[:, None] == key_docs[None, :])
+        probs = tl.exp2(tl.where(visible, scores, float("-inf")) - lse[:, None])  # (M, N)
+        grad_probs = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)  # (M, N)
+        grad_scores = probs * (grad_probs - delta[:, None])  # (M, N)
+        if SLOPE_GRAD:  # the bias is -slope * distance
+            distance = tl.abs(position - cols[None, :]).to(tl.float32)  # (M, N)
+            grad_slope -= tl.sum(grad_scores * distance, 1)
+        if SOFTCAP:  # through the cap: d tanh = 1 - tanh²
+            grad_scores = grad_scores * (1.0 - tanh * tanh)
+        grad_query = tl.dot(
+            grad_scores.to(k.dtype), k, grad_query, input_precision=PRECISION
+        )  # (M, D) += dS K
 
     grad_at = batch * stride_gb + head * stride_gh + rows[:, None] * stride_gl + dims[None, :]
     tl.store(DQ + grad_at, (grad_query * scale).to(DQ.dtype.element_ty), mask=q_ok)
@@ -579,6 +569,24 @@ def _sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     return -(taken * delta).sum(dim=(0, 2))
 
 
+def _document_spans(document_ids: Tensor) -> Tensor:
+    """Each key's document as the kernels read it, int32 ``(B, 2, K)``: ``[b, 0, j]`` the first
+    position of key j's id in row b (two keys share a document iff they share it), ``[b, 1, j]``
+    one past its last. Any ids, sorted or not, in a few sync-free passes (no ``unique``)."""
+    batch, k_len = document_ids.shape
+    order = document_ids.argsort(dim=1, stable=True)  # (B, K) positions by id, then position
+    ids = document_ids.gather(1, order)  # (B, K) sorted
+    index = torch.arange(k_len, device=ids.device).expand(batch, k_len)  # (B, K)
+    starts = torch.ones_like(ids, dtype=torch.bool)  # (B, K) where a run of one id begins
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    ends = torch.ones_like(starts)  # (B, K) where it ends
+    ends[:, :-1] = starts[:, 1:]
+    run_start = torch.where(starts, index, 0).cummax(dim=1).values  # (B, K)
+    run_end = torch.where(ends, index, k_len).flip(1).cummin(dim=1).values.flip(1)  # (B, K)
+    spans = torch.stack([order.gather(1, run_start), order.gather(1, run_end) + 1], dim=1).int()
+    return torch.empty_like(spans).scatter_(2, order.unsqueeze(1).expand(-1, 2, -1), spans)
+
+
 def _padding_bounds(query: Tensor, k_len: int, key_starts, key_lengths) -> Tensor | None:
     """Keys ``[start, end)`` of each batch row that are not padding, int32 ``(B, 2)``."""
     if key_starts is None and key_lengths is None:
@@ -663,7 +671,7 @@ def triton_attention(
         )
     query, key, value = _unit_last(query), _unit_last(key), _unit_last(value)
     bounds = _padding_bounds(query, shape.k_len, key_starts, key_lengths)
-    documents = None if document_ids is None else document_ids.contiguous()
+    documents = None if document_ids is None else _document_spans(document_ids)
     options = dict(causal=causal, window=window, scale=shape.scale, softcap=softcap)
     out, lse = _TritonAttention.apply(
         query, key, value, documents, bounds, alibi_slopes, sinks, options
