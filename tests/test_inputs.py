@@ -195,7 +195,7 @@ def test_kernel_choice_is_validated_and_routed(monkeypatch):
     with pytest.raises(ValueError, match="kernel must be one of"):
         tiled_attention(*qkv(), kernel="cuda")
     query, key, value = qkv()
-    assert not tiled._triton_fits(query, None, None)  # CPU tensors stay on the PyTorch path
+    assert not tiled._triton_fits(query, None)  # CPU tensors stay on the PyTorch path
     calls = []
     stand_in = types.SimpleNamespace(triton_attention=lambda *a, **kw: calls.append(kw))
     monkeypatch.setitem(sys.modules, "octlm.attention.triton_flash", stand_in)

@@ -163,8 +163,9 @@ def tiled_attention(
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key.
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
-            picks its own tiles) for CUDA tensors when Triton is installed, no ``mask``,
-            ``key_lengths`` is given, the dtype is not float64 and ``head_size <= 256``; the
+            picks its own tiles and implements every argument here but ``mask`` and
+            ``block_mask``, forward and backward) for CUDA tensors when Triton is installed, no
+            ``mask`` is given, the dtype is not float64 and ``head_size <= 256``; the
             plain-PyTorch blocks otherwise (always for :data:`PYTORCH_ONLY` arguments).
             ``"pytorch"`` or ``"triton"`` force one.
 
@@ -183,14 +184,14 @@ def tiled_attention(
         raise ValueError(
             f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
         )
-    if kernel == "triton" or (
-        kernel == "auto" and not pytorch_only and _triton_fits(query, mask, key_lengths)
-    ):
+    if kernel == "triton" or (kernel == "auto" and not pytorch_only and _triton_fits(query, mask)):
         from octlm.attention.triton_flash import triton_attention
 
         return triton_attention(
             query, key, value, causal=causal, window=window, mask=mask, scale=scale,
-            dropout_p=dropout_p, key_lengths=key_lengths, return_lse=return_lse,
+            dropout_p=dropout_p, key_lengths=key_lengths, key_starts=key_starts,
+            document_ids=document_ids, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            return_lse=return_lse,
         )  # fmt: skip
     shape = check_inputs(
         query, key, value, causal=causal, window=window, mask=mask, scale=scale,
@@ -211,14 +212,14 @@ def tiled_attention(
 
 KERNELS = ("auto", "pytorch", "triton")
 # Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
-PYTORCH_ONLY = ("key_starts", "document_ids", "softcap", "alibi_slopes", "sinks", "block_mask")
+PYTORCH_ONLY = ("block_mask",)
 
 
-def _triton_fits(query: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> bool:
+def _triton_fits(query: Tensor, mask: Tensor | None) -> bool:
     """Whether ``kernel="auto"`` should take the Triton kernel for these inputs."""
     if not isinstance(query, Tensor) or not query.is_cuda or mask is not None:
         return False
-    if key_lengths is not None or query.dtype == torch.float64 or query.shape[-1] > 256:
+    if query.dtype == torch.float64 or query.shape[-1] > 256:
         return False
     try:
         from octlm.attention.triton_flash import is_available

@@ -148,13 +148,14 @@ def _row_stats(LSE, DELTA, offset, rows, row_ok):
 
 
 @_jit
-def _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok):
-    """Key and value rows ``cols`` of one head, ``(N, D)`` each (zeros past ``k_len`` and in
-    the head-size padding), and where they are real."""
-    kv_ok = (cols < k_len)[:, None] & dim_ok[None, :]  # (N, D)
+def _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_hi, dim_ok):
+    """Key and value rows ``cols`` of one head, ``(N, D)`` each: zeros outside the keys
+    ``[k_lo, k_hi)`` that are not padding (a NaN there is never read) and in the head-size
+    padding."""
+    kv_ok = ((cols >= k_lo) & (cols < k_hi))[:, None] & dim_ok[None, :]  # (N, D)
     k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_ok, other=0.0)
     v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], mask=kv_ok, other=0.0)
-    return k, v, kv_ok
+    return k, v
 
 
 @_jit
@@ -201,7 +202,9 @@ def _forward_kernel(
         hi = tl.minimum(hi, high)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)  # (N,) keys
-        k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
+        k, v = _key_value_block(
+            k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_hi, dim_ok
+        )
         products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
         position = past + rows[:, None]  # (M, 1)
         scores, _ = _scores(products, position, cols[None, :], scale, softcap, slope,
@@ -266,8 +269,8 @@ def _key_value_grad_kernel(
     dim_ok = dims < HEAD_SIZE
     k_base = K + batch * stride_kb + kv_head * stride_kh
     v_base = V + batch * stride_vb + kv_head * stride_vh
-    k, v, kv_ok = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
     k_lo, k_hi = _key_bounds(BOUNDS, batch, k_len, PADDED)
+    k, v = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_hi, dim_ok)
     grad_key = tl.zeros([BLOCK_N, HEAD_BLOCK], tl.float32)  # (N, D), per unit of scores
     grad_value = tl.zeros([BLOCK_N, HEAD_BLOCK], tl.float32)  # (N, D)
 
@@ -316,6 +319,7 @@ def _key_value_grad_kernel(
             )  # (N, D) += dSᵀ Q
 
     grad_at = batch * stride_gb + kv_head * stride_gh + cols[:, None] * stride_gl + dims[None, :]
+    kv_ok = (cols < k_len)[:, None] & dim_ok[None, :]  # (N, D) padding keys get zeros
     tl.store(DK + grad_at, (grad_key * scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + grad_at, grad_value.to(DV.dtype.element_ty), mask=kv_ok)
 
@@ -366,7 +370,9 @@ def _query_grad_kernel(
         hi = tl.minimum(hi, high)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)  # (N,)
-        k, v, _ = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_len, dim_ok)
+        k, v = _key_value_block(
+            k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_hi, dim_ok
+        )
         products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
         position = past + rows[:, None]  # (M, 1)
         scores, tanh = _scores(products, position, cols[None, :], scale, softcap, slope,
