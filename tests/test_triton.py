@@ -430,6 +430,33 @@ def test_cuda_float32_uses_full_precision_products(case):
     check_against_reference(*CUDA_CASES[case], dtype=torch.float32)
 
 
+CUDA_STRUCTURE_CASES = {
+    "documents": (
+        (2, 8, 2, 1000, 1000, 64),
+        dict(document_ids=documents([300, 1, 129, 570], [1000])),
+    ),
+    "everything-q<k": (
+        (2, 8, 2, 700, 1030, 128),
+        dict(
+            window=400,
+            document_ids=documents([5, 600, 425], [1030]),
+            key_starts=torch.tensor([0, 77]),
+            key_lengths=torch.tensor([1030, 1000]),
+            softcap=20.0,
+            alibi_slopes=2.0 ** -torch.arange(1.0, 9.0),
+            sinks=torch.linspace(-2.0, 2.0, 8),
+        ),
+    ),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CUDA_STRUCTURE_CASES.values(), ids=CUDA_STRUCTURE_CASES.keys())
+def test_cuda_structure_matches_reference(case, dtype):
+    check_structure(*case, dtype=dtype)
+
+
 @needs_cuda
 def test_cuda_backward_is_deterministic():
     inputs = [x.to(DEVICE, torch.bfloat16) for x in make_qkv(2, 8, 2, 1000, 1000, 128)]

@@ -2,10 +2,12 @@
 
 The same algorithm and semantics as :mod:`octlm.attention.tiled` (docs/design.md §2),
 compiled for the GPU: GQA (query head ``h`` reads key/value head ``h // (H // Hkv)``),
-bottom-right causal alignment, a sliding window, any lengths, head sizes up to 256 (padded
-inside the kernels to a power of two, at least 16, with masked loads), float16, bfloat16 and
-float32 inputs with fp32 accumulation, zeros (never NaN) for rows that see no key and an fp32
-log-sum-exp.
+bottom-right causal alignment, a sliding window, left and right padding (``key_starts``,
+``key_lengths``), packed documents (``document_ids``), the score modifiers ``softcap`` and
+``alibi_slopes`` and learnable ``sinks``, any lengths, head sizes up to 256 (padded inside the
+kernels to a power of two, at least 16, with masked loads), float16, bfloat16 and float32
+inputs with fp32 accumulation, zeros (never NaN) for rows that see no key and an fp32
+log-sum-exp. Only ``mask`` and ``block_mask`` are left to the PyTorch blocks.
 
 Three kernels, one program per tile, no atomics:
 
@@ -17,8 +19,13 @@ Three kernels, one program per tile, no atomics:
   ``exp(scores - lse)``; the group's sum happens in registers, in a fixed order.
 - query gradient: one program per (query block, head, batch) walks the key blocks again.
 
-``delta = rowsum(dO * O)`` is computed once beforehand, in PyTorch. Key blocks that the causal or
-window rule hides from a whole query block (and vice versa) are never visited.
+``delta = rowsum(dO * O)`` is computed once beforehand, in PyTorch, and so are the gradients
+of the sinks (from lse and delta alone) and the sum of the query-gradient programs' partial
+sums for the ALiBi slopes. Key blocks that the causal or window rule or the padding hides from
+a whole query block (and vice versa) are never visited, nor are those outside the span of the
+block's documents: each key's document is passed as the first and one past the last position
+of its id in the row (:func:`_document_spans`), so a block's span is a min and a max, with no
+branch inside the loop. Inside the span, documents are masked element by element.
 
 Triton is optional (``octlm[triton]``): without it this module still imports and
 :func:`is_available` says False. With it, importing this module imports Triton (about 0.3 s)
