@@ -127,8 +127,9 @@ def _scores(products, position, key, scale, softcap, slope, SOFTCAP: tl.constexp
             ALIBI: tl.constexpr):  # fmt: skip
     """Base-2 scores of a tile from its ``q·k`` products (any orientation; ``position`` and
     ``key`` broadcast to it), with the modifiers of docs/design.md §2 in their order: the
-    softcap, then ALiBi's bias. Also ``tanh(s / softcap)``, whose derivative the backward
-    needs (the products themselves without a softcap)."""
+    softcap, then ALiBi's bias. Base 2, since exp2 is the native instruction. Also
+    ``tanh(s / softcap)``, whose derivative the backward needs (the products themselves
+    without a softcap)."""
     tanh = products
     if SOFTCAP:
         # tanh from exp2, as the interpreter has no libdevice: exp2 -> inf gives 1, -> 0 gives -1
