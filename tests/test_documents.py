@@ -204,21 +204,6 @@ def test_unsorted_document_ids_are_exact():
     assert (tested - golden).abs().max() < 1e-12
 
 
-def test_new_arguments_stay_on_the_pytorch_path(monkeypatch):
-    """The Triton kernel has no documents or left padding: ``kernel="auto"`` keeps such calls
-    on the PyTorch blocks even where Triton would fit, and ``kernel="triton"`` refuses them."""
-    import octlm.attention.tiled as tiled_module
-
-    query, key, value, ids = inputs("crossing")
-    monkeypatch.setattr(tiled_module, "_triton_fits", lambda *a: True)
-    options = dict(document_ids=ids, key_starts=torch.tensor([0, 2]))
-    out = tiled_attention(query, key, value, **options)
-    golden = reference(query, key, value, **options)
-    assert_judged(out, naive_attention(query, key, value, **options), golden)
-    with pytest.raises(ValueError, match="kernel='triton' does not take document_ids"):
-        tiled_attention(query, key, value, document_ids=ids, kernel="triton")
-
-
 def test_the_picture_in_the_design_doc():
     """docs/design.md §2 draws this packed row; naive must see exactly what it draws."""
     picture = """

@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 
-from octlm.attention import naive_attention
+from octlm.attention import naive_attention, tiled_attention
 from octlm.attention.inputs import Call
 from octlm.attention.masks import dense_mask
-from tests.helpers import assert_judged, make_qkv
+from tests.helpers import assert_judged, make_qkv, reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -186,7 +186,11 @@ def test_explicit_scale():
     "change, error, words",
     [
         (dict(mask=torch.ones(4, 4, dtype=torch.bool)), ValueError, "mask"),
-        (dict(key_lengths=torch.tensor([4])), ValueError, "key_lengths"),
+        (dict(key_lengths=torch.tensor([5])), ValueError, "key_lengths must lie in"),
+        (dict(document_ids=torch.zeros(1, 3, dtype=torch.long)), ValueError, "document_ids"),
+        (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes must have shape"),
+        (dict(sinks=torch.ones(1, 2)), ValueError, "sinks must have shape"),
+        (dict(softcap=0.0), ValueError, "softcap"),
         (dict(dropout_p=0.1), ValueError, "dropout_p"),
         (dict(window=-1), ValueError, "window"),
         (dict(dtype=torch.float64), TypeError, "float64"),
@@ -196,7 +200,7 @@ def test_explicit_scale():
 )
 def test_rejects_what_it_does_not_support(change, error, words):
     shape = {"dtype": torch.float32, "head_size": 16, "kv_heads": 2}
-    options = {name: value for name, value in change.items() if name not in shape}
+    options = {name: _on_device(value) for name, value in change.items() if name not in shape}
     shape.update({name: value for name, value in change.items() if name in shape})
     query, key, value = make_qkv(1, 2, q_len=4, **shape)
     with pytest.raises(error, match=words):
@@ -213,6 +217,192 @@ def test_interpreter_refuses_bfloat16():
 def test_is_available():
     assert triton_flash.is_available(DEVICE) is True
     assert triton_flash.is_available(torch.device(DEVICE)) is True
+
+
+def _on_device(value):
+    return value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+
+
+# Packed documents, padding and score modifiers (docs/design.md §2) against the float64
+# reference. Documents: ids per batch row, from run lengths; 16-key blocks see documents of
+# length 1, documents crossing block edges and, in "unsorted", ids that come back later.
+def documents(*rows):
+    """``(batch, k_len)`` ids from each row's document lengths (or its ids, if a tensor)."""
+    return torch.stack([
+        row if isinstance(row, torch.Tensor) else torch.arange(len(row)).repeat_interleave(
+            torch.tensor(row)
+        )
+        for row in rows
+    ])  # fmt: skip
+
+
+SLOPES = torch.tensor([0.5, 0.125])  # ALiBi slopes of two heads
+STRUCTURE_CASES = {
+    # id: ((batch, heads, kv_heads, q_len, k_len, head_size), options)
+    "documents": (
+        (2, 2, 1, 50, 50, 16),
+        dict(document_ids=documents([7, 1, 20, 12, 10], [17, 33])),
+    ),
+    "documents-q<k-noncausal": (
+        (2, 2, 2, 23, 50, 16),
+        dict(causal=False, document_ids=documents([1, 15, 1, 16, 17], [30, 1, 19])),
+    ),
+    "documents-window": ((1, 2, 1, 50, 50, 16), dict(window=9, document_ids=documents([25, 25]))),
+    "documents-unsorted": (
+        (2, 2, 1, 40, 40, 16),
+        dict(document_ids=torch.randint(0, 3, (2, 40), generator=torch.Generator().manual_seed(1))),
+    ),
+    "left-and-right-padding": (
+        (2, 2, 1, 50, 50, 16),
+        dict(key_starts=torch.tensor([5, 20]), key_lengths=torch.tensor([50, 33])),
+    ),
+    "left-padding-q>k-noncausal": (
+        (2, 2, 2, 40, 17, 16),
+        dict(causal=False, key_starts=torch.tensor([0, 17])),
+    ),
+    "softcap": ((1, 2, 1, 40, 40, 16), dict(softcap=1.0)),
+    "alibi-q<k": ((1, 2, 2, 23, 50, 16), dict(alibi_slopes=SLOPES)),
+    "alibi-per-row-noncausal": (
+        (2, 2, 1, 30, 30, 16),
+        dict(causal=False, alibi_slopes=torch.stack([SLOPES, 2 * SLOPES])),
+    ),
+    "sinks": ((1, 2, 1, 40, 40, 16), dict(sinks=torch.tensor([-1.0, 2.0]))),
+    "sinks-empty-rows": ((1, 2, 2, 40, 17, 16), dict(sinks=torch.tensor([0.5, 3.0]))),
+    "everything": (
+        (2, 4, 2, 33, 50, 24),
+        dict(
+            window=20,
+            document_ids=documents([9, 1, 25, 15], [16, 16, 18]),
+            key_starts=torch.tensor([3, 0]),
+            key_lengths=torch.tensor([50, 41]),
+            softcap=2.0,
+            alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+            sinks=torch.tensor([0.0, 1.0, -1.0, 2.0]),
+        ),
+    ),
+}
+LEARNED = ("alibi_slopes", "sinks")  # the options that receive gradients
+
+
+def check_structure(shape, options, dtype):
+    """Output, lse and every gradient (slopes and sinks included) of the kernels against the
+    float64 reference, relative to naive in ``dtype``."""
+    batch, heads, kv_heads, q_len, k_len, head_size = shape
+    inputs = make_qkv(batch, heads, kv_heads, q_len, k_len, head_size, dtype=torch.float64)
+    inputs = [x.to(DEVICE, dtype) for x in inputs]
+    learned = [name for name in LEARNED if name in options]
+    inputs += [options[name].to(DEVICE) for name in learned]
+    fixed = {name: _on_device(value) for name, value in options.items() if name not in LEARNED}
+    generator = torch.Generator().manual_seed(2)
+    grad_out = torch.randn(inputs[0].shape, generator=generator, dtype=torch.float64).to(DEVICE)
+
+    def attend(function, tensors, **extra):
+        """Output, lse (if asked) and the gradients of fresh leaves of ``tensors``."""
+        leaves = [x.detach().clone().requires_grad_() for x in tensors]
+        query, key, value, *modifiers = leaves
+        result = function(query, key, value, **fixed, **dict(zip(learned, modifiers, strict=True)),
+                          **extra)  # fmt: skip
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        out.backward(grad_out.to(out.dtype))
+        return out.detach(), lse, [x.grad for x in leaves]
+
+    out, lse, grads = attend(triton_attention, inputs, return_lse=True)
+    base, _, base_grads = attend(naive_attention, inputs)
+    golden, golden_lse, golden_grads = attend(
+        reference, [x.double() for x in inputs], return_lse=True
+    )
+
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_judged(out, base, golden)
+    torch.testing.assert_close(lse.double(), golden_lse, atol=1e-4, rtol=1e-5)  # -inf == -inf
+    names = ["dq", "dk", "dv", *learned]
+    for name, tested, plain, exact in zip(names, grads, base_grads, golden_grads, strict=True):
+        assert torch.isfinite(tested).all(), name
+        if name == "alibi_slopes" and dtype == torch.float32:
+            # A sum of dS * distance over every visible pair: the recomputed probabilities'
+            # rounding (docs/design.md §7), times distances of tens, can outgrow 3x naive's
+            # (tiled's does too); held to fp32 rounding of the sum's size instead.
+            torch.testing.assert_close(tested.double(), exact, rtol=1e-5, atol=5e-5)
+        else:
+            assert_judged(tested, plain, exact, factor=3.0)
+
+
+@pytest.mark.parametrize("case", STRUCTURE_CASES.values(), ids=STRUCTURE_CASES.keys())
+def test_structure_and_modifiers_match_reference(case):
+    check_structure(*case, dtype=torch.float32)
+
+
+def test_structure_and_modifiers_in_float16():
+    check_structure(*STRUCTURE_CASES["everything"], dtype=torch.float16)
+
+
+def test_document_spans_name_each_document_by_its_first_and_last_position():
+    """Any ids, sorted or not: a key's document as its first position and one past its last."""
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [3, 1, 3, 3, 2, 1]])
+    first = [[0, 0, 2, 2, 2, 5], [0, 1, 0, 0, 4, 1]]
+    end = [[2, 2, 5, 5, 5, 6], [4, 6, 4, 4, 5, 6]]
+    assert triton_flash._document_spans(ids).tolist() == [
+        [f, e] for f, e in zip(first, end, strict=True)
+    ]
+
+
+# Blocks of DOCUMENT keys: 16 under the interpreter, a multiple of every compiled tile on CUDA.
+DOCUMENT = 128 if CUDA else 16
+
+
+def test_blocks_of_other_documents_are_never_read():
+    """Three documents of one block each, non-causal: a NaN in the middle document's values
+    (forward, dQ) or in its rows' output gradient (dK/dV) would reach a row or key of the
+    documents before and after it through a zero weight if that block pair were visited; it
+    reaches only the middle one."""
+    query, key, value = (x.to(DEVICE) for x in make_qkv(1, 2, 1, 3 * DOCUMENT, 3 * DOCUMENT, 16))
+    ids = documents([DOCUMENT] * 3).to(DEVICE)
+    middle = slice(DOCUMENT, 2 * DOCUMENT)
+    value[:, :, middle] = float("nan")
+    leaves = [x.requires_grad_() for x in (query, key, value)]
+    out = triton_attention(*leaves, causal=False, document_ids=ids)
+    grad_out = torch.randn_like(out)
+    grad_out[:, :, middle] = float("nan")
+    out.backward(grad_out)
+    for tensor in (out, query.grad, key.grad, value.grad):
+        assert tensor[:, :, middle].isnan().all()
+        assert tensor[:, :, :DOCUMENT].isfinite().all()
+        assert tensor[:, :, 2 * DOCUMENT :].isfinite().all()
+
+
+def test_padding_is_never_read():
+    """Left and right padding: NaN keys and values there change nothing, and get zero grads."""
+    query, key, value = (x.to(DEVICE) for x in make_qkv(2, 2, 1, 20, 40, 16))
+    starts, lengths = torch.tensor([5, 0], device=DEVICE), torch.tensor([40, 27], device=DEVICE)
+    clean = triton_attention(query, key, value, key_starts=starts, key_lengths=lengths)
+    for tensor in (key, value):
+        tensor[0, :, :5] = tensor[1, :, 27:] = float("nan")
+    leaves = [x.requires_grad_() for x in (query, key, value)]
+    out = triton_attention(*leaves, key_starts=starts, key_lengths=lengths)
+    out.backward(torch.randn_like(out))
+    assert torch.equal(out, clean)
+    for grad in (key.grad, value.grad):
+        assert grad.isfinite().all() and not grad[0, :, :5].any() and not grad[1, :, 27:].any()
+
+
+def test_tiled_routes_all_but_block_masks_to_the_kernel(monkeypatch):
+    """``tiled_attention(kernel="triton")`` takes documents, padding and the modifiers, and
+    ``kernel="auto"`` hands them over where Triton fits; a block mask stays PyTorch-only."""
+    import octlm.attention.tiled as tiled_module
+    from octlm.attention.block_masks import block_mask, causal_mod
+
+    query, key, value = (x.to(DEVICE) for x in make_qkv(1, 2, 1, 20, 20, 16))
+    options = dict(
+        document_ids=documents([7, 13]).to(DEVICE), key_starts=torch.tensor([2], device=DEVICE),
+        softcap=3.0, alibi_slopes=SLOPES.to(DEVICE), sinks=torch.tensor([0.5, 1.0], device=DEVICE),
+    )  # fmt: skip
+    direct = triton_attention(query, key, value, **options)
+    assert torch.equal(tiled_attention(query, key, value, kernel="triton", **options), direct)
+    monkeypatch.setattr(tiled_module, "_triton_fits", lambda *a: True)
+    assert torch.equal(tiled_attention(query, key, value, **options), direct)
+    blocks = block_mask(causal_mod(20, 20), 1, 2, 20, 20, block=16, device=DEVICE)
+    with pytest.raises(ValueError, match="kernel='triton' does not take block_mask"):
+        tiled_attention(query, key, value, block_mask=blocks, kernel="triton")
 
 
 # CUDA: compiled kernels at the block sizes they are meant for.
@@ -241,6 +431,33 @@ def test_cuda_float32_uses_full_precision_products(case):
     check_against_reference(*CUDA_CASES[case], dtype=torch.float32)
 
 
+CUDA_STRUCTURE_CASES = {
+    "documents": (
+        (2, 8, 2, 1000, 1000, 64),
+        dict(document_ids=documents([300, 1, 129, 570], [1000])),
+    ),
+    "everything-q<k": (
+        (2, 8, 2, 700, 1030, 128),
+        dict(
+            window=400,
+            document_ids=documents([5, 600, 425], [1030]),
+            key_starts=torch.tensor([0, 77]),
+            key_lengths=torch.tensor([1030, 1000]),
+            softcap=20.0,
+            alibi_slopes=2.0 ** -torch.arange(1.0, 9.0),
+            sinks=torch.linspace(-2.0, 2.0, 8),
+        ),
+    ),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CUDA_STRUCTURE_CASES.values(), ids=CUDA_STRUCTURE_CASES.keys())
+def test_cuda_structure_matches_reference(case, dtype):
+    check_structure(*case, dtype=dtype)
+
+
 @needs_cuda
 def test_cuda_backward_is_deterministic():
     inputs = [x.to(DEVICE, torch.bfloat16) for x in make_qkv(2, 8, 2, 1000, 1000, 128)]
@@ -263,8 +480,8 @@ def _ranges_kernel():
         start, past = tl.load(starts + case), tl.load(pasts + case)
         k_len, window = tl.load(lengths + case), tl.load(windows + case)
         q_len = k_len - past
-        key_lo, key_hi = triton_flash._key_range(start, past, k_len, window, BLOCK_M, BLOCK_N,
-                                                 CAUSAL)  # fmt: skip
+        key_lo, key_hi = triton_flash._key_range(start, past, 0, k_len, window, BLOCK_M,
+                                                 BLOCK_N, CAUSAL)  # fmt: skip
         row_lo, row_hi = triton_flash._query_range(start, past, q_len, window, BLOCK_M,
                                                    BLOCK_N, CAUSAL)  # fmt: skip
         tl.store(out + 4 * case, key_lo)

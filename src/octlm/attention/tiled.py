@@ -25,7 +25,7 @@ from octlm.attention.blocks import (
     sink_gradient,
     unfold_heads,
 )
-from octlm.attention.inputs import FEATURES, Call, attention_function
+from octlm.attention.inputs import Call, attention_function
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -148,11 +148,11 @@ def tiled_attention(
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key (the
             sink's logit with ``sinks``, which is always in the denominator).
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
-            picks its own tiles) for CUDA tensors when Triton is installed, no ``mask``,
-            ``key_lengths`` is given, the dtype is not float64 and ``head_size <= 256``; the
-            plain-PyTorch blocks otherwise (always for ``key_starts`` and the keywords after
-            it, which ``triton_attention`` does not take). ``"pytorch"`` or ``"triton"`` force
-            one.
+            picks its own tiles and implements every argument here but ``mask`` and
+            ``block_mask``, forward and backward) for CUDA tensors when Triton is installed, no
+            ``mask`` is given, the dtype is not float64 and ``head_size <= 256``; the
+            plain-PyTorch blocks otherwise (always for :data:`PYTORCH_ONLY` arguments).
+            ``"pytorch"`` or ``"triton"`` force one.
 
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
@@ -160,7 +160,7 @@ def tiled_attention(
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     block = parse_block(block)  # checked on every path, used by the PyTorch one
-    pytorch_only = [name for name in FEATURES if getattr(call, name) is not None]
+    pytorch_only = [name for name in PYTORCH_ONLY if getattr(call, name) is not None]
     if kernel == "triton" and pytorch_only:
         raise ValueError(
             f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
@@ -181,12 +181,14 @@ def tiled_attention(
 KERNELS = ("auto", "pytorch", "triton")
 # The caller's tensors that the autograd function takes, in its order.
 TENSORS = ("mask", "key_lengths", "key_starts", "document_ids", "alibi_slopes", "sinks")
+# Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
+PYTORCH_ONLY = ("block_mask",)
 
 
 def _triton_fits(call: Call) -> bool:
     """Whether ``kernel="auto"`` should take the Triton kernel for this call."""
     query = call.query
-    if not query.is_cuda or call.mask is not None or call.key_lengths is not None:
+    if not query.is_cuda or call.mask is not None:
         return False
     if query.dtype == torch.float64 or call.head_size > 256:
         return False
