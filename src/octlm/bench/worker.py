@@ -161,15 +161,16 @@ def attention_call(measurement: Measurement, query, key, value, keywords: dict) 
     if m.backend == "triton":
         if query.device.type != "cuda":
             raise Unsupported(f"triton runs on CUDA only, not on {query.device.type}")
-        if keywords:
-            raise Unsupported(f"triton_attention takes no {', '.join(sorted(keywords))}")
         try:
             from octlm.attention import triton_flash
         except ImportError as error:
             raise Unsupported(f"cannot import octlm.attention.triton_flash: {error}") from error
+        unknown = sorted(set(keywords) - set(triton_flash.TRITON_KEYWORDS))
+        if unknown:
+            raise Unsupported(f"triton_attention takes no {', '.join(unknown)}")
         if not triton_flash.is_available(query.device):
             raise Unsupported("triton is not installed (pip install 'octlm[triton]')")
-        return lambda: triton_flash.triton_attention(query, key, value, **options)
+        return lambda: triton_flash.triton_attention(query, key, value, **options, **keywords)
     raise ValueError(f"backend must be one of {[*SDPA, *IMPLEMENTATIONS, 'sketch', 'triton']}")
 
 
