@@ -787,6 +787,13 @@ def sink_gradient(rows: RowStats, sinks: Tensor, delta: Tensor) -> Tensor:
     return -(taken * delta).sum(dim=(0, 2))
 
 
+def slope_gradient(grad_folded: Tensor, slopes: Tensor) -> Tensor:
+    """The slopes' gradient summed as ``(B, Hkv, G)`` by the backward, in the slopes' own shape
+    (``(H,)`` or ``(B, H)``) and dtype."""
+    full = slopes.view(-1, grad_folded.shape[1] * grad_folded.shape[2]).shape  # (1 or B, H)
+    return grad_folded.flatten(1).sum_to_size(full).view(slopes.shape).to(slopes.dtype)
+
+
 def _fold_slopes(slopes: Tensor | None, kv_heads: int) -> Tensor | None:
     """ALiBi slopes ``(H,)`` or ``(B, H)`` as ``(B|1, Hkv, 1, G, 1)`` to match folded tiles."""
     if slopes is None:

@@ -57,6 +57,7 @@ from octlm.attention.blocks import (
     attend_forward,
     merge,
     parse_block,
+    slope_gradient,
 )
 from octlm.attention.inputs import COMMON, Call, attention_function, check
 from octlm.attention.masks import key_range
@@ -430,10 +431,8 @@ class _RingAttention(torch.autograd.Function):
             query, key, value, ids, lse, delta, grad_out, ctx.ring, ctx.options, alibi_slopes,
             grad_alibi,
         )  # fmt: skip
-        if grad_alibi is not None:  # (B, Hkv, G) -> the slopes' (H,) or (B, H)
-            full = alibi_slopes.view(-1, query.shape[1]).shape  # (1 or B, H)
-            grad_alibi = grad_alibi.flatten(1).sum_to_size(full).view(alibi_slopes.shape)
-            grad_alibi = grad_alibi.to(alibi_slopes.dtype)
+        if grad_alibi is not None:
+            grad_alibi = slope_gradient(grad_alibi, alibi_slopes)
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[5]:
             # A sink takes p = exp(sink - lse) of its row and gives no value: -sum p * delta.

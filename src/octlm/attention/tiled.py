@@ -23,6 +23,7 @@ from octlm.attention.blocks import (
     forward_rows,
     parse_block,
     sink_gradient,
+    slope_gradient,
     unfold_heads,
 )
 from octlm.attention.inputs import Call, attention_function
@@ -70,10 +71,8 @@ class _TiledAttention(torch.autograd.Function):
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
-        if grad_alibi is not None:  # (B, Hkv, G) -> the slopes' (H,) or (B, H)
-            full = alibi_slopes.view(-1, query.shape[1]).shape  # (1 or B, H)
-            grad_alibi = grad_alibi.flatten(1).sum_to_size(full).view(alibi_slopes.shape)
-            grad_alibi = grad_alibi.to(alibi_slopes.dtype)
+        if grad_alibi is not None:
+            grad_alibi = slope_gradient(grad_alibi, alibi_slopes)
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[8]:
             grad_sinks = sink_gradient(rows, sinks, delta).to(sinks.dtype)
