@@ -196,12 +196,12 @@ class BlockWalk:
         return key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
 
     def groups(self) -> list[list[range]]:
-        """The query blocks dealt round-robin into groups, one group a task for
-        :func:`parallel_map`: two per worker (a slowed worker takes fewer), each largest first.
-        The backward sums each group's key gradients apart and then the groups in this order,
-        so its result does not depend on which thread ran what."""
+        """The query blocks dealt round-robin into one group per worker, each largest first:
+        the backward's tasks. Each group sums its key gradients apart (a buffer the size of
+        the keys, so no more groups than workers) and the groups are added in this order, so
+        the result does not depend on which thread ran what."""
         blocks = self.largest_first()
-        count = min(len(blocks), 2 * workers(self.keys.device))
+        count = min(len(blocks), workers(self.keys.device))
         return [blocks[first::count] for first in range(count)]
 
     def key_blocks(self, rows: range):
@@ -760,14 +760,13 @@ def attend_backward(
         return grad_key, grad_value, grad_slopes
 
     parts = parallel_map(attend, walk.groups(), query.device)
-    if len(parts) == 1 and parts[0][0].shape == value.shape:  # one group over every key
-        grad_key, grad_value = parts[0][:2]
+    if parts[0][0].shape == value.shape:  # the group with the largest block: usually all keys
+        (grad_key, grad_value, _), rest = parts[0], parts[1:]
     else:
-        grad_key = torch.zeros_like(value)  # (B*Hkv, K, D)
-        grad_value = torch.zeros_like(value)  # (B*Hkv, K, D)
-        for part_key, part_value, _ in parts:  # summed in a fixed order
-            grad_key[:, : part_key.shape[1]] += part_key
-            grad_value[:, : part_value.shape[1]] += part_value
+        grad_key, grad_value, rest = torch.zeros_like(value), torch.zeros_like(value), parts
+    for part_key, part_value, _ in rest:  # added in a fixed order
+        grad_key[:, : part_key.shape[1]] += part_key
+        grad_value[:, : part_value.shape[1]] += part_value
     for _, _, part_slopes in parts:
         if part_slopes is not None:
             grad_alibi += part_slopes
