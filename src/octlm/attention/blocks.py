@@ -47,8 +47,13 @@ CEILING = 2.0**16
 # Rows and keys per tile. Tuned on a 2-core CPU at 8,192 tokens, 8 heads of 32: smaller tiles
 # pay Python overhead per block, larger ones fall out of cache.
 DEFAULT_BLOCK = (512, 256)
-# The fewest query rows per block when blocks are cut smaller to give every CPU thread work.
-THREAD_ROWS = 64
+# Query blocks per CPU thread, when there are enough rows: blocks are cut smaller to make them,
+# down to THREAD_ROWS rows (smaller tiles cost more in Python than they save). Measured beside
+# one CPU-bound process at 8,192 tokens, 16 blocks for 2 threads made tiled's forward 1.9x
+# slower, 32 blocks 1.6x (SDPA FLASH: 1.5x); at 2,048 tokens 64-row blocks were 1.4x slower
+# than 256-row ones on an idle machine.
+THREAD_SHARES = 16
+THREAD_ROWS = 128
 # Query rows per block (heads of a group included) from which the shift rides in the matmul.
 FUSED_SHIFT_ROWS = 64
 # The largest shift (in score units) the backward lets ride in the matmul: inside it, the
@@ -168,10 +173,12 @@ class BlockWalk:
         self.block_map = block_map
         if block_map is not None:
             self.block_q, self.block_k = block_map.block
-        # Enough query blocks for every CPU thread to take two (see threads.py), down to
-        # THREAD_ROWS rows a block: a batch of 1,024-token rows is otherwise two blocks.
-        elif (shares := 2 * workers(keys.device)) > 2 and self.q_len >= shares * THREAD_ROWS:
-            self.block_q = min(self.block_q, -(-self.q_len // shares))
+        # Enough query blocks for every CPU thread to take many (see threads.py), down to
+        # THREAD_ROWS rows a block: blocks are handed out one at a time, and small last ones
+        # let a thread that lost its core to another process finish with the rest.
+        elif (threads := workers(keys.device)) > 1 and self.q_len > THREAD_ROWS:
+            rows = max(THREAD_ROWS, -(-self.q_len // (THREAD_SHARES * threads)))
+            self.block_q = min(self.block_q, rows)
         # Decoding and short chunks: widen the key block so the score tile, not the Python
         # loop, sets the cost; the tile stays at most block_q x block_k per group.
         elif self.q_len < self.block_q:

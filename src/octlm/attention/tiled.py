@@ -115,6 +115,8 @@ def tiled_attention(
             query head ``h`` reads key/value head ``h // (heads // kv_heads)``.
         block: ``(block_q, block_k)`` query rows and keys per tile, or one int for both. A
             performance choice, not a numerical one: the output changes only by rounding.
+            On CPU with several threads, query blocks are cut smaller (down to 128 rows) so
+            that every thread gets many (docs/design.md §7).
         causal: bottom-right aligned: row ``i`` sees key ``j`` iff ``j <= k_len - q_len + i``.
         window: if > 0, a row also sees only the ``window`` most recent keys (itself included).
         mask: bool (True = may attend) or float (added to the scaled scores), broadcastable
