@@ -13,6 +13,7 @@ from octlm.bench.suites import Grid, key_of
 from octlm.bench.worker import make_record
 from octlm.cli import main
 from octlm.report import NOT_MEASURED, claims, collect, load, write_report
+from octlm.report.collect import busy as busy_reason
 
 # Synthetic records of the baseline, train and structure suites
 # (tests/fixtures/make_bench_records.py).
@@ -196,6 +197,17 @@ def test_measurements_on_a_busy_machine_are_flagged(tmp_path):
     assert "| 8,192 | 500.0 ms, 1 MiB † | 5.00 s, 1 MiB | 600.0 ms, 1 MiB † |" in text
     assert "| tiled ÷ FLASH | 1.2× (1 round) | — | 150% † | 1 of 1 |" in text
     assert "1 of 1 probe(s) ran busy (load 3.00 on 2 CPUs)" in text
+
+
+def test_a_process_that_got_its_cpu_time_is_not_busy_whatever_the_load_average():
+    """The one-minute load average still counts a competing process for a while after it
+    stopped; a measurement whose process got all its threads' CPU time was not slowed."""
+    after_a_busy_one = timed("tiled", 0.6, load_before=3.1, cpus=2, cpu_seconds=1.9)
+    after_a_busy_one["wall_seconds"] = 1.0
+    assert busy_reason(after_a_busy_one) is None
+    starved = {**after_a_busy_one, "cpu_seconds": 1.0}
+    assert busy_reason(starved) == "got 50% of its 2 threads' CPU time"
+    assert busy_reason({"load_before": 3.1, "cpus": 2}) == "load 3.10 on 2 CPUs"
 
 
 def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):

@@ -111,19 +111,24 @@ def plain(record: dict) -> bool:
     )
 
 
-# A measurement was taken on a busy machine when the one-minute load average before it exceeded
-# the CPU count by more than BUSY_LOAD (the benchmark's own threads keep it near the count), or
-# when its process got less than MIN_CPU_SHARE of the CPU time its threads could have used.
+# A measurement was taken on a busy machine when its process got less than MIN_CPU_SHARE of the
+# CPU time its threads could have used. Records without CPU times (older ones, matmul probes)
+# fall back on the one-minute load average before them exceeding the CPU count by more than
+# BUSY_LOAD: a trailing average, which still counts a competing process for a minute after it
+# stopped, so it is not used where the share is known.
 BUSY_LOAD = 0.5
 MIN_CPU_SHARE = 0.75
 
 
 def busy(record: dict) -> str | None:
     """Why ``record`` was measured on a busy machine, or ``None`` (also when it does not say)."""
+    cpu, wall, threads = (record.get(k) for k in ("cpu_seconds", "wall_seconds", "threads"))
+    if cpu is not None and wall and threads:
+        share = cpu / (wall * threads)
+        if share < MIN_CPU_SHARE:
+            return f"got {share:.0%} of its {threads} threads' CPU time"
+        return None
     load, cpus = record.get("load_before"), record.get("cpus")
     if load is not None and cpus and load > cpus + BUSY_LOAD:
         return f"load {load:.2f} on {cpus} CPUs"
-    cpu, wall, threads = (record.get(k) for k in ("cpu_seconds", "wall_seconds", "threads"))
-    if cpu is not None and wall and threads and cpu / (wall * threads) < MIN_CPU_SHARE:
-        return f"got {cpu / (wall * threads):.0%} of its {threads} threads' CPU time"
     return None

@@ -10,8 +10,9 @@ MiB = 2**20
 NOT_MEASURED = "not measured"
 BUSY_MARK = "†"
 BUSY_NOTE = (
-    f"{BUSY_MARK} measured while the machine was busy (load average above its CPU count, or "
-    "the process got under three quarters of its threads' CPU time): treat it with care."
+    f"{BUSY_MARK} measured while the machine was busy (the process got under three quarters of "
+    "its threads' CPU time; for records without CPU times, the load average was above the CPU "
+    "count): treat it with care."
 )
 
 
