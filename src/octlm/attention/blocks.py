@@ -212,7 +212,7 @@ class BlockWalk:
         return [blocks[first::count] for first in range(count)]
 
     def key_blocks(self, rows: range):
-        keys = key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
+        keys = self.key_span(rows)
         if self.block_map is not None:  # start on the block mask's grid, skip its empty blocks
             keys = range(keys.start // self.block_k * self.block_k, keys.stop)
         starts = range(keys.start, keys.stop, self.block_k)
