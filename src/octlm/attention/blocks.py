@@ -451,15 +451,22 @@ class OnlineSoftmax:
     ``acc = sum exp(score - shift) * value`` over the keys read so far. With ``fused`` the
     shift lives in the query block's extra column (as ``-shift``), so the score matmul
     subtracts it; without, it is subtracted after the float mask is added, so a mask value far
-    from the shift never cancels against it.
+    from the shift never cancels against it. Nothing is allocated before the first key block,
+    whose sums simply become the state: decoding one token against one wide block costs a
+    handful of operations.
     """
 
-    def __init__(self, walk: BlockWalk, q_block: Tensor, rows: range, fused: bool, head_size):
+    def __init__(self, walk: BlockWalk, q_block: Tensor, rows: range, fused: bool):
         self.walk, self.q_block, self.rows, self.fused = walk, q_block, rows, fused
-        self.shift = q_block.new_zeros(walk.batch * walk.kv_heads, q_block.shape[2], 1)
-        self.running_sum = torch.zeros_like(self.shift)  # (B*Hkv, R, 1)
-        self.acc = self.shift.new_zeros(*self.shift.shape[:-1], head_size)  # (B*Hkv, R, D)
+        self.shift = self.running_sum = self.acc = None  # (B*Hkv, R, 1), (…, 1), (…, D)
         self.unset = True  # some rows have not seen a key yet: their shift is a placeholder
+
+    def needs_rebase(self) -> bool:
+        """Whether the next block must set shifts: always first, then while a row saw nothing
+        (asked only then, since asking waits for the tensors)."""
+        if self.unset and self.running_sum is not None:
+            self.unset = bool((self.running_sum == 0).any())
+        return self.unset
 
     def scores(self, columns: range) -> Tensor:
         """``(B*Hkv, R, C)`` scores of one key block minus the shift, hidden places -inf."""
@@ -473,21 +480,42 @@ class OnlineSoftmax:
         which would round them to the old shift's precision), so the result is as exact as a
         first block. Rows that have seen no key take this block's maximum, up or down; the
         others only move up, and what they summed is rescaled by ``exp(old - new) <= 1``.
+        Every weight of the block is then at most 1, so its sum cannot pass ``CEILING``.
         """
         if self.fused:
             self.q_block[..., -1:] = 0.0
         scores = self.walk.scores(self.q_block, self.rows, columns)  # (B*Hkv, R, C), absolute
-        block_max = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
-        empty = self.running_sum == 0
-        shift = torch.where(empty, block_max, torch.maximum(self.shift, block_max))
+        shift = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
+        summed = self.running_sum is not None
+        if summed:
+            empty = self.running_sum == 0
+            shift = torch.where(empty, shift, torch.maximum(self.shift, shift))
         shift.masked_fill_(shift == NEG_INF, 0.0)  # rows that see nothing here either
-        correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
-        self.running_sum.mul_(correction)
-        self.acc.mul_(correction)
+        if summed:
+            correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
+            self.running_sum.mul_(correction)
+            self.acc.mul_(correction)
         self.shift = shift
         if self.fused:
             self.q_block[..., -1:] = -shift.view(*self.q_block.shape[:-1], 1)
         return scores.sub_(shift)
+
+    def add(self, weights: Tensor, block_sum: Tensor, values: Tensor) -> None:
+        """Sum one block's ``weights (B*Hkv, R, C)`` and their rows ``block_sum``, over
+        ``values (B*Hkv, C, D)``."""
+        if self.running_sum is None:
+            self.running_sum, self.acc = block_sum, torch.bmm(weights, values)  # (…, 1), (…, D)
+        else:
+            self.running_sum += block_sum
+            self.acc.baddbmm_(weights, values)
+
+    def see_nothing(self, head_size: int) -> None:
+        """The state of rows that meet no key block: nothing summed, shift 0."""
+        self.shift = self.q_block.new_zeros(
+            self.walk.batch * self.walk.kv_heads, self.q_block.shape[2], 1
+        )
+        self.running_sum = torch.zeros_like(self.shift)  # (B*Hkv, R, 1)
+        self.acc = self.shift.new_zeros(*self.shift.shape[:-1], head_size)  # (B*Hkv, R, D)
 
     def absorb(self, logits: Tensor) -> None:
         """One more score per row, ``(B*Hkv, R, 1)`` in units, that joins the sum and carries
@@ -599,25 +627,25 @@ def _forward_pass(
     total = torch.empty_like(shift)  # (B, Hkv, Q, G)
 
     def attend(rows: range) -> None:  # one query block; blocks run concurrently on CPU
-        state = OnlineSoftmax(walk, walk.rows(folded, rows), rows, fused, head_size)
+        state = OnlineSoftmax(walk, walk.rows(folded, rows), rows, fused)
         poison = None
         for columns in walk.key_blocks(rows):
-            scores = state.rebase(columns) if state.unset else state.scores(columns)
+            rebased = state.needs_rebase()
+            scores = state.rebase(columns) if rebased else state.scores(columns)
             visible = scores != NEG_INF if careful else None  # (B*Hkv, R, C)
             weights = units.exp_(scores)  # (B*Hkv, R, C), in place of the scores
             block_sum = weights.sum(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
-            if not bool(block_sum.max() <= CEILING):  # also catches inf and NaN
+            if not rebased and not bool(block_sum.max() <= CEILING):  # also inf and NaN
                 # A score rose far above its row's shift: redo the block with the shift moved.
                 weights = units.exp_(state.rebase(columns))
                 block_sum = weights.sum(dim=-1, keepdim=True)
-            state.running_sum += block_sum
             keys_here = slice(columns.start, columns.stop)
-            state.acc.baddbmm_(weights, _as_3d(value[:, :, keys_here]))
+            state.add(weights, block_sum, _as_3d(value[:, :, keys_here]))
             if careful:
                 seen_broken = torch.bmm(visible.to(dtype), broken[:, keys_here]) > 0
                 poison = seen_broken if poison is None else poison | seen_broken
-            if state.unset:
-                state.unset = bool((state.running_sum == 0).any())
+        if state.running_sum is None:  # the rows met no key block
+            state.see_nothing(head_size)
         if sinks is not None:
             shape = (walk.batch, kv_heads, len(rows), walk.group)
             state.absorb(sinks.expand(shape).reshape(walk.batch * kv_heads, -1, 1))
