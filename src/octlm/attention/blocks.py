@@ -203,18 +203,35 @@ class BlockWalk:
         return key_range(rows, self.longest, self.past, self.causal, self.window, self.earliest)
 
     def groups(self) -> list[list[range]]:
-        """The query blocks dealt round-robin into one group per worker, each largest first:
-        the backward's tasks. Each group sums its key gradients apart (a buffer the size of
-        the keys, so no more groups than workers) and the groups are added in this order, so
-        the result does not depend on which thread ran what."""
-        blocks = self.largest_first()
-        count = min(len(blocks), workers(self.keys.device))
-        return [blocks[first::count] for first in range(count)]
+        """The backward's tasks: runs of consecutive query blocks, the run that sees the most
+        keys first. Each run sums its key gradients into its own buffer, over the keys its
+        rows see, and the runs are added in this order: the result does not depend on which
+        thread ran what. Runs are handed out one at a time, so a thread slowed by another
+        process takes fewer. Causal runs see fewer keys the earlier they are, so twice as many
+        runs as threads cost a quarter more buffer than one run per thread, which is what
+        other calls keep."""
+        blocks = list(self.query_blocks())
+        threads = workers(self.keys.device)
+        count = min(len(blocks), threads * (2 if self.causal and threads > 1 else 1))
+        runs = [
+            blocks[len(blocks) * i // count : len(blocks) * (i + 1) // count] for i in range(count)
+        ]
+        return sorted(
+            runs,
+            key=lambda run: len(self.key_span(range(run[0].start, run[-1].stop))),
+            reverse=True,
+        )
+
+    def visited_keys(self, rows: range) -> range:
+        """The keys :meth:`key_blocks` walks over for ``rows``: their span, started on the
+        block mask's grid when there is one."""
+        keys = self.key_span(rows)
+        if self.block_map is not None:
+            keys = range(keys.start // self.block_k * self.block_k, keys.stop)
+        return keys
 
     def key_blocks(self, rows: range):
-        keys = self.key_span(rows)
-        if self.block_map is not None:  # start on the block mask's grid, skip its empty blocks
-            keys = range(keys.start // self.block_k * self.block_k, keys.stop)
+        keys = self.visited_keys(rows)  # the block mask's empty blocks are skipped below
         starts = range(keys.start, keys.stop, self.block_k)
         shared = self._shared_documents(rows, keys) if self.documents is not None else None
         for index, start in enumerate(starts):
@@ -748,11 +765,12 @@ def attend_backward(
     value = _as_3d(value)  # (B*Hkv, K, D)
     grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
 
-    def attend(blocks: list[range]) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The gradients from some query blocks; ``dk``, ``dv`` (and the slopes') summed over
-        them, into their own tensors, so that groups of blocks can run concurrently."""
-        stop = min(walk.k_len, max(walk.key_span(rows).stop for rows in blocks))
-        grad_key = value.new_zeros(value.shape[0], stop, head_size)  # (B*Hkv, K', D)
+    def attend(blocks: list[range]) -> tuple[range, Tensor, Tensor, Tensor | None]:
+        """The gradients from a run of query blocks; ``dk``, ``dv`` (and the slopes') summed
+        over them into their own tensors, over the ``seen`` keys, so that runs can go on at
+        once."""
+        seen = walk.visited_keys(range(blocks[0].start, blocks[-1].stop))
+        grad_key = value.new_zeros(value.shape[0], len(seen), head_size)  # (B*Hkv, K', D)
         grad_value = torch.zeros_like(grad_key)  # (B*Hkv, K', D)
         grad_slopes = None if grad_alibi is None else torch.zeros_like(grad_alibi)
         # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
@@ -766,12 +784,13 @@ def attend_backward(
             # dq_t: (B*Hkv, D, R)
             for columns in walk.key_blocks(rows):
                 keys_here = slice(columns.start, columns.stop)
+                mine = slice(columns.start - seen.start, columns.stop - seen.start)  # in the buffer
                 products = walk.tile("products", value.shape[0], len(columns), head_size)
                 probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (B*Hkv, C, R)
                 if shift_row is not None:
                     probs_t.sub_(shift_row)
                 units.exp_(probs_t)  # exp(score - shift): probabilities times total
-                grad_value[:, keys_here] += torch.bmm(probs_t, do_block, out=products)
+                grad_value[:, mine] += torch.bmm(probs_t, do_block, out=products)
                 grad_scores_t = torch.bmm(
                     value[:, keys_here], do_block.transpose(1, 2),
                     out=walk.tile("grad_t", *probs_t.shape),
@@ -787,22 +806,22 @@ def attend_backward(
                     grad_slopes -= torch.einsum("bkrgc,rc->bkg", tile, far)
                 if softcap is not None:  # through the cap: d tanh = 1 - tanh²
                     grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
-                grad_key[:, keys_here] += torch.bmm(grad_scores_t, q_plain, out=products)
+                grad_key[:, mine] += torch.bmm(grad_scores_t, q_plain, out=products)
                 dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
             grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
                 walk.batch, kv_heads, len(rows), walk.group, head_size
             )
-        return grad_key, grad_value, grad_slopes
+        return seen, grad_key, grad_value, grad_slopes
 
     parts = parallel_map(attend, walk.groups(), query.device)
-    if parts[0][0].shape == value.shape:  # the group with the largest block: usually all keys
-        (grad_key, grad_value, _), rest = parts[0], parts[1:]
+    if len(parts[0][0]) == walk.k_len:  # the first run saw every key: it takes the rest
+        (_, grad_key, grad_value, _), rest = parts[0], parts[1:]
     else:
         grad_key, grad_value, rest = torch.zeros_like(value), torch.zeros_like(value), parts
-    for part_key, part_value, _ in rest:  # added in a fixed order
-        grad_key[:, : part_key.shape[1]] += part_key
-        grad_value[:, : part_value.shape[1]] += part_value
-    for _, _, part_slopes in parts:
+    for seen, part_key, part_value, _ in rest:  # added in a fixed order
+        grad_key[:, seen.start : seen.stop] += part_key
+        grad_value[:, seen.start : seen.stop] += part_value
+    for *_, part_slopes in parts:
         if part_slopes is not None:
             grad_alibi += part_slopes
     kv_shape = (walk.batch, kv_heads, walk.k_len, head_size)
