@@ -40,8 +40,7 @@ class _TiledAttention(torch.autograd.Function):
         rules,
     ):  # fmt: skip
         tensors = mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks
-        out, rows = forward_rows(query, key, value, _rules_with(rules, *tensors))
-        out = out.to(query.dtype)
+        out, rows = _forward(query, key, value, tensors, rules)
         ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, *tensors)
         ctx.rules, ctx.units, ctx.careful = rules, rows.units, rows.careful
         lse = rows.lse()
@@ -88,6 +87,12 @@ class _TiledAttention(torch.autograd.Function):
             grad_sinks,
             None,
         )
+
+
+def _forward(query, key, value, tensors, rules) -> tuple[Tensor, RowStats]:
+    """The block steps' output, in the input dtype, and their row statistics."""
+    out, rows = forward_rows(query, key, value, _rules_with(rules, *tensors))
+    return out.to(query.dtype), rows
 
 
 def _rules_with(rules, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks) -> Rules:
@@ -175,8 +180,13 @@ def tiled_attention(
         softcap=call.softcap, block_mask=call.block_mask,
     )  # fmt: skip
     tensors = [getattr(call, name) for name in TENSORS]
-    out, lse = _TiledAttention.apply(call.query, call.key, call.value, *tensors, rules)
-    return (out, lse) if return_lse else out
+    inputs = (call.query, call.key, call.value, *tensors)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        out, lse = _TiledAttention.apply(*inputs, rules)
+        return (out, lse) if return_lse else out
+    # Nothing to differentiate (decoding, evaluation): no autograd node, no lse unless asked.
+    out, rows = _forward(call.query, call.key, call.value, tensors, rules)
+    return (out, rows.lse()) if return_lse else out
 
 
 KERNELS = ("auto", "pytorch", "triton")
