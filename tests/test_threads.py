@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from octlm.attention import naive_attention, tiled_attention
+from octlm.attention.blocks import BlockWalk, Units
 from octlm.attention.threads import parallel_map, workers
 from tests.helpers import assert_judged, make_qkv, reference
 
@@ -110,6 +111,32 @@ def test_threaded_backward_runs_match_the_reference(two_threads, options):
     golden = gradients(reference, [x.double() for x in inputs])
     for t, b, g in zip(tested, base, golden, strict=True):
         assert_judged(t, b, g, factor=3.0)
+
+
+@pytest.mark.parametrize(
+    "q_len, k_len, causal, window, runs",
+    [
+        (1024, 1024, True, 0, 4),  # early runs see few keys: 2.5 buffers of every key
+        (1024, 1024, False, 0, 2),  # every run sees every key
+        (256, 1024, True, 0, 2),  # a chunk after a cache: every run sees nearly every key
+        (1024, 1024, True, 128, 4),  # a window: every run sees few keys
+    ],
+)
+def test_the_backward_takes_more_runs_only_where_their_buffers_are_small(
+    two_threads, q_len, k_len, causal, window, runs
+):
+    """Twice as many runs as threads when their key-gradient buffers add up to at most 1.25
+    buffers of every key per thread, else one run per thread; the widest run first."""
+    query = torch.zeros(1, 1, q_len, 1, 4)  # folded (B, Hkv, Q, G, D)
+    keys = torch.zeros(1, 1, k_len, 4)
+    walk = BlockWalk(query, keys, k_len - q_len, causal, window, None, (64, 64), Units(1.0))
+    groups = walk.groups()
+    assert len(groups) == runs
+    assert sorted((rows for run in groups for rows in run), key=lambda rows: rows.start) == list(
+        walk.query_blocks()
+    )
+    spans = [len(walk.key_span(range(run[0].start, run[-1].stop))) for run in groups]
+    assert spans == sorted(spans, reverse=True)
 
 
 def _child(queue):

@@ -207,20 +207,25 @@ class BlockWalk:
         keys first. Each run sums its key gradients into its own buffer, over the keys its
         rows see, and the runs are added in this order: the result does not depend on which
         thread ran what. Runs are handed out one at a time, so a thread slowed by another
-        process takes fewer. Causal runs see fewer keys the earlier they are, so twice as many
-        runs as threads cost a quarter more buffer than one run per thread, which is what
-        other calls keep."""
+        process takes fewer; twice as many runs as threads give it more to leave, and are
+        taken when their buffers add up to at most a quarter more than one buffer of every
+        key per thread (causal self-attention, where early runs see few keys), else one run
+        per thread."""
         blocks = list(self.query_blocks())
         threads = workers(self.keys.device)
-        count = min(len(blocks), threads * (2 if self.causal and threads > 1 else 1))
-        runs = [
+        runs, finer = self._runs(blocks, threads), self._runs(blocks, 2 * threads)
+        buffers = sum(len(self.visited_keys(_rows_of(run))) for run in finer)
+        if threads > 1 and buffers <= 1.25 * threads * self.k_len:
+            runs = finer
+        return sorted(runs, key=lambda run: len(self.key_span(_rows_of(run))), reverse=True)
+
+    @staticmethod
+    def _runs(blocks: list[range], count: int) -> list[list[range]]:
+        """``blocks`` cut into at most ``count`` runs of consecutive blocks, as even as can be."""
+        count = min(len(blocks), count)
+        return [
             blocks[len(blocks) * i // count : len(blocks) * (i + 1) // count] for i in range(count)
         ]
-        return sorted(
-            runs,
-            key=lambda run: len(self.key_span(range(run[0].start, run[-1].stop))),
-            reverse=True,
-        )
 
     def visited_keys(self, rows: range) -> range:
         """The keys :meth:`key_blocks` walks over for ``rows``: their span, started on the
@@ -415,6 +420,11 @@ def _keys(key: Tensor, dtype: torch.dtype, extra: float | None) -> Tensor:
     out[..., :head_size] = key
     out[..., head_size] = extra
     return out
+
+
+def _rows_of(run: list[range]) -> range:
+    """The query rows of a run of consecutive blocks."""
+    return range(run[0].start, run[-1].stop)
 
 
 def _blockwise(x: Tensor) -> Tensor:
@@ -769,7 +779,7 @@ def attend_backward(
         """The gradients from a run of query blocks; ``dk``, ``dv`` (and the slopes') summed
         over them into their own tensors, over the ``seen`` keys, so that runs can go on at
         once."""
-        seen = walk.visited_keys(range(blocks[0].start, blocks[-1].stop))
+        seen = walk.visited_keys(_rows_of(blocks))
         grad_key = value.new_zeros(value.shape[0], len(seen), head_size)  # (B*Hkv, K', D)
         grad_value = torch.zeros_like(grad_key)  # (B*Hkv, K', D)
         grad_slopes = None if grad_alibi is None else torch.zeros_like(grad_alibi)
