@@ -197,6 +197,33 @@ def test_nan_in_a_query_or_a_float_mask_stays_in_its_row(name):
     assert nan_rows(out)[0, 0].nonzero().flatten().tolist() == [5, 30]
 
 
+@pytest.mark.parametrize("where", ["key", "value", "both"])
+def test_hidden_garbage_does_not_reach_tiled_gradients(where):
+    """Non-finite keys and values that no row sees (padding) leave every gradient as it is
+    with those places zeroed; their own key and value gradients are 0."""
+    query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=160)
+    options = {"key_lengths": torch.tensor([100, 150]), "block": (32, 16)}
+    dirty = [key.clone(), value.clone()]
+    for index in {"key": [0], "value": [1], "both": [0, 1]}[where]:
+        dirty[index][0, :, 130:] = float("nan")  # padding of batch element 0
+        dirty[index][1, 1, 150:] = float("inf")  # padding of batch element 1, one head
+    grad_out = torch.randn(query.shape)
+
+    def gradients(k, v):
+        leaves = [x.clone().requires_grad_() for x in (query, k, v)]
+        tiled_attention(*leaves, **options).backward(grad_out)
+        return [leaf.grad for leaf in leaves]
+
+    hidden = torch.zeros(2, 2, 160, 1, dtype=torch.bool)
+    hidden[0, :, 130:], hidden[1, 1, 150:] = True, True
+    clean = gradients(*(x.masked_fill(hidden, 0.0) for x in dirty))
+    for got, expected in zip(gradients(*dirty), clean, strict=True):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    for got in gradients(*dirty)[1:]:
+        assert not got.masked_select(hidden.expand_as(got)).any()
+
+
 def test_sdpa_ignores_garbage_in_padded_keys():
     query, key, value = make_qkv(batch=2, heads=2, kv_heads=1, q_len=32)
     key_lengths = torch.tensor([20, 32])

@@ -773,6 +773,13 @@ def attend_backward(
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = _as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
     value = _as_3d(value)  # (B*Hkv, K, D)
+    if not _all_finite(key_t, value):  # one pass, O(K·D), against the backward's O(Q·K·D)
+        # 0 x NaN is NaN: a key or value that no row sees must not reach a gradient through a
+        # zero probability (the forward's output can be clean while one sits in padding). One
+        # that a row sees still does, through its probabilities or through delta (that row's
+        # output is NaN).
+        key_t = key_t.masked_fill(~key_t.isfinite(), 0.0)
+        value = value.masked_fill(~value.isfinite(), 0.0)
     grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
 
     def attend(blocks: list[range]) -> tuple[range, Tensor, Tensor, Tensor | None]:
