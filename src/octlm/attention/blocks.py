@@ -557,8 +557,9 @@ class OnlineSoftmax:
 
     def output(self) -> Tensor:
         """Normalised output ``(B*Hkv, R, D)``; rows that saw no key are 0."""
-        seen = self.running_sum > 0
-        return self.acc.div_(torch.where(seen, self.running_sum, 1.0))
+        # A row that saw a key sums to at least 1 (its shift's own weight); one that saw none
+        # has acc = 0, and 0 / tiny = 0.
+        return self.acc.div_(self.running_sum.clamp_min(torch.finfo(self.acc.dtype).tiny))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -649,11 +650,10 @@ def _forward_pass(
     )  # fmt: skip
     if sinks is not None:
         sinks = (sinks.to(dtype) * units.unit).view(1, kv_heads, 1, -1)  # (1, Hkv, 1, G)
-    out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
-    shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
-    total = torch.empty_like(shift)  # (B, Hkv, Q, G)
 
-    def attend(rows: range) -> None:  # one query block; blocks run concurrently on CPU
+    def attend(rows: range) -> tuple[Tensor, Tensor, Tensor]:
+        """One query block's output ``(B, Hkv, R, G, D)``, shift and sum ``(B, Hkv, R, G)``;
+        blocks run concurrently on CPU."""
         state = OnlineSoftmax(walk, walk.rows(folded, rows), rows, fused)
         poison = None
         for columns in walk.key_blocks(rows):
@@ -680,11 +680,22 @@ def _forward_pass(
         if poison is not None:
             result.masked_fill_(poison, float("nan"))
         shape = (walk.batch, kv_heads, len(rows), walk.group)
-        out[:, :, rows.start : rows.stop] = result.view(*shape, head_size)
-        shift[:, :, rows.start : rows.stop] = state.shift.view(shape)
-        total[:, :, rows.start : rows.stop] = state.running_sum.view(shape)
+        total = state.running_sum.view(shape)
+        return result.view(*shape, head_size), state.shift.view(shape), total
 
-    parallel_map(attend, walk.largest_first(), query.device)
+    blocks = walk.largest_first()
+    if len(blocks) == 1:  # decoding, short chunks: the block's own tensors, no copy
+        out, shift, total = attend(blocks[0])
+    else:
+        out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
+        shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
+        total = torch.empty_like(shift)  # (B, Hkv, Q, G)
+
+        def write(rows: range) -> None:
+            for whole, part in zip((out, shift, total), attend(rows), strict=True):
+                whole[:, :, rows.start : rows.stop] = part
+
+        parallel_map(write, blocks, query.device)
     rows = RowStats(unfold_heads(shift), unfold_heads(total), units, careful)
     return unfold_heads(out), rows
 

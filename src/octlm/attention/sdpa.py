@@ -1,8 +1,9 @@
 """PyTorch's fused ``scaled_dot_product_attention`` behind octlm's signature.
 
 SDPA's ``is_causal`` is top-left aligned, so it is passed only for plain causal attention with
-``q_len == k_len``; every other shape (bottom-right causal for a KV cache, a window, a user mask)
-goes in as one explicit mask. Never both.
+``q_len == k_len``; one query row against a cache sees every key, so it needs no mask at all;
+every other shape (bottom-right causal for a KV cache, a window, a user mask) goes in as one
+explicit mask. Never both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def sdpa_attention(call: Call) -> Tensor:
     structured = call.mask is not None or padded or call.window > 0
     structured = structured or call.document_ids is not None or call.block_mask is not None
     modified = call.softcap is not None or call.alibi_slopes is not None or call.sinks is not None
-    plain = not structured and not modified and (not call.causal or call.past == 0)
+    # Bottom-right causal hides nothing from a single row (decoding): it is not causal then.
+    causal = call.causal and not (call.q_len == 1 and call.k_len > 0)
+    plain = not structured and not modified and (not causal or call.past == 0)
     attn_mask = None
     if padded:
         # No row sees a padded key, so its contents must not matter; SDPA's kernels multiply
@@ -52,7 +55,7 @@ def sdpa_attention(call: Call) -> Tensor:
         value,
         attn_mask=attn_mask,
         dropout_p=call.dropout_p,
-        is_causal=plain and call.causal,
+        is_causal=plain and causal,
         scale=call.scale,
         enable_gqa=call.kv_heads != call.heads,
     )
