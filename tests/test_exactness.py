@@ -116,6 +116,21 @@ def test_finfo_min_mask_is_a_score_not_a_hidden_mark(name):
     assert_judged(out, naive_attention(query, key, value, causal=False, mask=mask), golden)
 
 
+@pytest.mark.parametrize("value", [3e38, -3e38, 1e38])
+@pytest.mark.parametrize("hidden", [False, True], ids=["finite", "with-inf"])
+def test_huge_finite_mask_values_of_either_sign_are_scores(value, hidden):
+    """A finite value past finfo.max / log2(e) must not overflow in base 2: tiled then works in
+    natural units, for a huge bonus as for a huge penalty, with or without -inf beside it.
+    Three keys carry it, so a bonus leaves each row three tied keys, not one (with one, the
+    recomputed probability's rounding is the whole gradient, where naive's is exactly 0)."""
+    query, key, value_ = make_qkv(batch=1, heads=2, kv_heads=2, q_len=96, head_size=16)
+    mask = torch.zeros(96, 96)
+    mask[:, [5, 30, 81]] = value
+    if hidden:
+        mask[40:, 60:70] = float("-inf")
+    check_forward_and_backward(query, key, value_, (32, 16), causal=False, mask=mask)
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 def test_finfo_min_rows_have_exact_gradients(block):
     """The backward recomputes probabilities from the forward's shift and sum, not from the

@@ -146,3 +146,23 @@ def test_sinks_alone_set_the_lse_when_there_are_no_keys():
     torch.testing.assert_close(lse, sinks.detach().view(1, 4, 1).expand(2, 4, 5))
     out.sum().backward()
     assert torch.equal(sinks.grad, torch.zeros_like(sinks))
+
+
+def test_a_minus_inf_sink_leaves_rows_with_no_key_empty():
+    """A head may have no sink (-inf): rows that see no key then sum nothing at all, so their
+    output and gradients are 0 and their lse -inf, never NaN; with keys or without any."""
+    query, key, value = make_qkv(batch=2, heads=2, kv_heads=2, q_len=6, head_size=8)
+    for keys in (6, 0):
+        inputs = [x[:, :, :keys] if x is not query else x for x in (query, key, value)]
+        inputs = [x.clone().requires_grad_() for x in inputs]
+        sinks = torch.tensor([float("-inf"), 0.5], requires_grad=True)
+        lengths = torch.tensor([0, keys])  # batch 0 sees no key
+        out, lse = tiled_attention(
+            *inputs, causal=False, sinks=sinks, key_lengths=lengths, return_lse=True
+        )  # fmt: skip
+        assert (lse[:, 0][lengths == 0] == float("-inf")).all()  # head 0: the -inf sink
+        assert not out[0].any()
+        out.sum().backward()
+        for tensor in (*inputs, sinks):
+            assert tensor.grad.isfinite().all()
+        assert sinks.grad[0] == 0

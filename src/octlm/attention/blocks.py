@@ -82,16 +82,20 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class Units:
     """The units scores are kept in: ``unit`` times natural units, exponentiated in base
     ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is several
-    times cheaper than ``exp`` on CPU; natural units when a float mask holds values that would
-    overflow once multiplied by ``log2(e)`` (``finfo.min`` masks), since such a value is still
-    a score and must keep its place in the softmax."""
+    times cheaper than ``exp`` on CPU; natural units when a float mask holds finite values that
+    would overflow once multiplied by ``log2(e)`` (``finfo.min`` masks, or a huge positive
+    one), since such a value is still a score and must keep its place in the softmax."""
 
     unit: float
 
     @staticmethod
     def choose(mask: Tensor | None, dtype: torch.dtype) -> Units:
-        floats = mask is not None and mask.is_floating_point() and mask.numel()
-        if floats and float(mask.min()) * LOG2E < -torch.finfo(dtype).max:
+        if mask is None or not mask.is_floating_point() or not mask.numel():
+            return Units(LOG2E)
+        low, high = torch.aminmax(mask)
+        if bool(low.isinf() | high.isinf()):  # -inf hides a key in any base: only finite
+            low, high = torch.aminmax(mask.nan_to_num(posinf=0.0, neginf=0.0))  # values count
+        if max(-float(low), float(high)) * LOG2E > torch.finfo(dtype).max:
             return Units(1.0)
         return Units(LOG2E)
 
@@ -550,6 +554,7 @@ class OnlineSoftmax:
         saw no key take it), rescaling what was summed by ``exp(old - new) <= 1``."""
         empty = self.running_sum == 0
         shift = torch.where(empty, logits, torch.maximum(self.shift, logits))
+        shift.masked_fill_(shift == NEG_INF, 0.0)  # a -inf sink and no key: nothing is summed
         correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
         self.running_sum.mul_(correction).add_(self.walk.units.exp_(logits - shift))
         self.acc.mul_(correction)
@@ -620,9 +625,11 @@ def _forward_pass(
         nothing = query.new_zeros(query.shape[:-1], dtype=dtype)  # (B, H, Q)
         if sinks is None:
             return query.new_zeros(query.shape, dtype=dtype), RowStats(nothing, nothing, units)
-        # The sink alone is in each row's denominator: its log-sum-exp is the sink's logit.
-        shift = (sinks.to(dtype) * units.unit).view(1, -1, 1).expand_as(nothing).contiguous()
-        rows = RowStats(shift, torch.ones_like(nothing), units)
+        # The sink alone is in each row's denominator: its log-sum-exp is the sink's logit
+        # (-inf for a -inf sink, which sums nothing).
+        logits = (sinks.to(dtype) * units.unit).view(1, -1, 1).expand_as(nothing)  # (B, H, Q)
+        shift = logits.masked_fill(logits == NEG_INF, 0.0)
+        rows = RowStats(shift, units.exp_(logits - shift), units)
         return query.new_zeros(query.shape, dtype=dtype), rows
     float_mask = mask is not None and mask.is_floating_point()
     rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
