@@ -150,6 +150,29 @@ def test_finfo_min_rows_have_exact_gradients(block):
         assert_judged(mine.grad, theirs.grad, gold.grad, factor=3.0)
 
 
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+@pytest.mark.parametrize("value", [FINFO_MIN, -1e9, 1e38])
+def test_rows_ruled_by_huge_mask_values_have_exact_gradients(name, value):
+    """Rows whose largest mask value is huge (finfo.min on every key; a bonus of 1e38 on two
+    tied keys): their log-sum-exp cannot hold log(k_len), so a backward that recomputes
+    probabilities from it (SDPA's fused one) would be off by up to the row's key count."""
+    query, key, value_ = make_qkv(batch=1, heads=2, kv_heads=2, q_len=64, head_size=16)
+    mask = torch.zeros(64, 64)
+    if value > 0:
+        mask[:20, [7, 41]] = value
+    else:
+        mask[:20] = value
+    inputs = [x.clone().requires_grad_() for x in (query, key, value_)]
+    plain = [x.clone().requires_grad_() for x in (query, key, value_)]
+    golden = [x.double().requires_grad_() for x in (query, key, value_)]
+    grad_out = torch.randn(query.shape)
+    call(name, *inputs, causal=False, mask=mask).backward(grad_out)
+    naive_attention(*plain, causal=False, mask=mask).backward(grad_out)
+    reference(*golden, causal=False, mask=mask).backward(grad_out.double())
+    for mine, theirs, gold in zip(inputs, plain, golden, strict=True):
+        assert_judged(mine.grad, theirs.grad, gold.grad, factor=3.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block", [(512, 256), (64, 64), (24, 16)])
 def test_low_precision_queries_are_scaled_after_the_upcast(dtype, block):

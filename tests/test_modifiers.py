@@ -98,6 +98,25 @@ def test_gradients_match_reference(name, function, modifier):
         assert_judged(tested[part], base[part], golden[part], factor=3.0)
 
 
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+@pytest.mark.parametrize("softcap, scale", [(30.0, 100.0), (50.0, 20.0), (0.1, 1e4)])
+def test_softcap_of_large_raw_scores_keeps_the_capped_precision(name, softcap, scale):
+    """Raw scores far above the cap: the capped ones must not be formed by cancelling a
+    correction against the raw ones (which keeps only the raw scores' precision)."""
+    query, key, value = make_qkv(heads=HEADS, q_len=40, k_len=60)
+    options = dict(softcap=softcap, scale=scale)
+    tested = SINGLE_PROCESS[name](query, key, value, **options)
+    assert_like_reference(tested, query, key, value, **options)
+    grad_out = torch.randn(query.shape, dtype=torch.float64)
+    tensors = dict(q=query, k=key, v=value)
+    mine = gradients(SINGLE_PROCESS[name], tensors, grad_out, **options)
+    base = gradients(naive_attention, tensors, grad_out, **options)
+    doubled = {n: x.double() for n, x in tensors.items()}
+    golden = gradients(reference, doubled, grad_out, **options)
+    for part in mine:
+        assert_judged(mine[part], base[part], golden[part], factor=3.0)
+
+
 @pytest.mark.parametrize("modifier", MODIFIERS)
 @pytest.mark.parametrize("block", [(7, 5), (64, 64)], ids=str)
 def test_tiled_gradients_are_exact_in_float64(modifier, block):

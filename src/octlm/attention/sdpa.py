@@ -8,9 +8,12 @@ explicit mask. Never both.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from octlm.attention.inputs import Call, attention_function
 from octlm.attention.masks import alibi_bias, as_4d, dense_mask, padding_mask
@@ -20,9 +23,13 @@ from octlm.attention.masks import alibi_bias, as_4d, dense_mask, padding_mask
 def sdpa_attention(call: Call) -> Tensor:
     """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``.
 
-    SDPA knows none of the score modifiers, so they enter densely: ALiBi and the softcap
-    (``capped - raw`` scores) as a float mask, each sink as one more key of zeros whose mask
-    entry is the sink's logit.
+    SDPA knows none of the score modifiers, so they enter densely: ALiBi as a float mask; with
+    a softcap the capped scores themselves, with a query of zeros, so SDPA adds them to
+    nothing (a mask of ``capped - raw`` would cancel against SDPA's own raw scores and keep
+    only their precision); each sink as one more key of zeros whose mask entry is the sink's
+    logit. Where a row's largest finite mask value is beyond ``±LSE_LIMIT`` and gradients are
+    wanted, SDPA's MATH backend runs instead of its fused ones, whose backward recomputes the
+    probabilities from a log-sum-exp too coarse at that size to hold the row's own scores.
     """
     query, key, value = call.query, call.key, call.value
     padded = call.key_lengths is not None or call.key_starts is not None
@@ -49,26 +56,47 @@ def sdpa_attention(call: Call) -> Tensor:
         attn_mask = as_4d(attn_mask)  # SDPA wants at least 2-D
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(query.dtype)  # SDPA wants the query's dtype
-    return F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=call.dropout_p,
-        is_causal=plain and causal,
-        scale=call.scale,
-        enable_gqa=call.kv_heads != call.heads,
-    )
+    coarse = _lse_too_coarse(attn_mask, query, key, value)
+    if call.softcap is not None:
+        query = torch.zeros_like(query)  # the capped scores are all in the mask
+    with sdpa_kernel(SDPBackend.MATH) if coarse else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=call.dropout_p,
+            is_causal=plain and causal,
+            scale=call.scale,
+            enable_gqa=call.kv_heads != call.heads,
+        )
+
+
+# Past this size a float32 log-sum-exp rounds by 1/128 or more (2 ** 16 * 2 ** -23): a fused
+# backward that recomputes probabilities from it no longer holds the row's own scores.
+LSE_LIMIT = 2.0**16
+
+
+def _lse_too_coarse(attn_mask: Tensor | None, *tensors: Tensor) -> bool:
+    """Whether gradients are wanted and some row's largest finite mask value (where its
+    log-sum-exp will sit) is beyond ``±LSE_LIMIT``: ``finfo.min`` on every key of a row, or a
+    huge bonus."""
+    if attn_mask is None or not attn_mask.is_floating_point() or not attn_mask.numel():
+        return False
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (attn_mask, *tensors)):
+        return False
+    row_max = attn_mask.amax(dim=-1)  # (b, h, q)
+    return bool(((row_max.abs() > LSE_LIMIT) & row_max.isfinite()).any())
 
 
 def _score_bias(call: Call) -> Tensor | None:
     """What the modifiers add to SDPA's scaled scores, as one dense float mask."""
     dtype = torch.promote_types(call.query.dtype, torch.float32)
     bias = None
-    if call.softcap is not None:  # SDPA forms the raw scores; the mask adds what the cap takes off
+    if call.softcap is not None:  # the capped scores, whole: SDPA is given a zero query
         key = call.key.to(dtype).repeat_interleave(call.group, dim=1)  # (B, H, K, D)
         raw = call.query.to(dtype) @ key.transpose(-2, -1) * call.scale  # (B, H, Q, K)
-        bias = call.softcap * torch.tanh(raw / call.softcap) - raw
+        bias = call.softcap * torch.tanh(raw / call.softcap)
     if call.alibi_slopes is not None:
         alibi = alibi_bias(call.alibi_slopes.to(dtype), call.q_len, call.k_len)  # (B|1, H, Q, K)
         bias = alibi if bias is None else bias + alibi
