@@ -807,7 +807,11 @@ def attend_backward(
         seen = walk.visited_keys(_rows_of(blocks))
         grad_key = value.new_zeros(value.shape[0], len(seen), head_size)  # (B*Hkv, K', D)
         grad_value = torch.zeros_like(grad_key)  # (B*Hkv, K', D)
-        grad_slopes = None if grad_alibi is None else torch.zeros_like(grad_alibi)
+        # Summed in float64: each is a sum of ds * distance over every score, where ds
+        # cancels (each row's sums to 0) and the distances grow with the length.
+        grad_slopes = None
+        if grad_alibi is not None:
+            grad_slopes = torch.zeros_like(grad_alibi, dtype=torch.float64)
         # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
         for rows in blocks:
             q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
@@ -838,7 +842,7 @@ def attend_backward(
                 if grad_alibi is not None:  # the bias is -slope * distance
                     tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
                     far = walk.distance(rows, columns)  # (R, C)
-                    grad_slopes -= torch.einsum("bkrgc,rc->bkg", tile, far)
+                    grad_slopes -= torch.einsum("bkrgc,rc->bkg", tile.double(), far.double())
                 if softcap is not None:  # through the cap: d tanh = 1 - tanh²
                     grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
                 grad_key[:, mine] += torch.bmm(grad_scores_t, q_plain, out=products)
