@@ -223,6 +223,24 @@ def test_nan_reaches_exactly_the_rows_that_see_it(name, case, block):
     assert_judged(out, naive_attention(query, key, value, **options), golden)
 
 
+@pytest.mark.parametrize("block", [(1, 3), (16, 32), (512, 256)])
+def test_infinite_values_reach_the_rows_that_see_them_as_the_definition_says(block):
+    """A row that sees +inf in one dimension of a value gets +inf there, one that sees -inf
+    gets -inf, one that sees both gets NaN; the other dimensions and rows keep their numbers.
+    Whatever the tiles (a tile that met an infinity only with zero weight used to make NaN)."""
+    query, key, value = make_qkv(batch=1, heads=1, kv_heads=1, q_len=40)
+    value[:, :, 20, 3] = float("inf")
+    value[:, :, 30, 3] = float("-inf")
+    value[:, :, 10, 5] = float("-inf")
+    out = tiled_attention(query, key, value, block=block)
+    golden = reference(query, key, value)
+    assert torch.equal(out.isnan(), golden.isnan()) and torch.equal(out.isinf(), golden.isinf())
+    assert torch.equal(out[out.isinf()], golden[golden.isinf()].to(out.dtype))
+    assert out[0, 0, 25, 3] == float("inf") and out[0, 0, 35, 3].isnan()
+    finite = golden.isfinite()
+    assert_judged(out[finite], naive_attention(query, key, value)[finite], golden[finite])
+
+
 @pytest.mark.parametrize("name", ["naive", "tiled"])
 def test_nan_in_a_query_or_a_float_mask_stays_in_its_row(name):
     query, key, value = make_qkv(batch=1, heads=1, kv_heads=1, q_len=48)

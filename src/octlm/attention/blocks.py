@@ -646,10 +646,12 @@ def _forward_pass(
     broken = None
     if careful:
         # 0 x NaN is NaN: a value a row cannot see must not reach it through a zero weight.
-        # Values are summed clean, and a row that can see a non-finite value is poisoned.
-        broken = ~value.isfinite()  # (B, Hkv, K, D)
-        value = value.masked_fill(broken, 0.0)
-        broken = _as_3d(broken.to(dtype))
+        # Values are summed clean, and what a row can see of the rest is put back at the
+        # end: per dimension, NaN where it sees a NaN or infinities of both signs, else the
+        # infinity it sees (as the definition gives, whatever the tiles).
+        kinds = (value.isnan(), value == float("inf"), value == float("-inf"))
+        value = value.masked_fill(~value.isfinite(), 0.0)
+        broken = _as_3d(torch.cat(kinds, dim=-1).to(dtype))  # (B*Hkv, K, 3 * D)
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
         key_lengths, careful, key_starts, documents, softcap,
@@ -685,7 +687,9 @@ def _forward_pass(
             state.absorb(sinks.expand(shape).reshape(walk.batch * kv_heads, -1, 1))
         result = state.output()  # (B*Hkv, R, D)
         if poison is not None:
-            result.masked_fill_(poison, float("nan"))
+            nan, high, low = poison.split(head_size, dim=-1)  # (B*Hkv, R, D) each
+            result.masked_fill_(high, float("inf")).masked_fill_(low, float("-inf"))
+            result.masked_fill_(nan | (high & low), float("nan"))
         shape = (walk.batch, kv_heads, len(rows), walk.group)
         total = state.running_sum.view(shape)
         return result.view(*shape, head_size), state.shift.view(shape), total

@@ -152,7 +152,8 @@ def tiled_attention(
             (``block`` is not used then).
         return_lse: also return the log-sum-exp of the scaled scores, ``(batch, heads,
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key (the
-            sink's logit with ``sinks``, which is always in the denominator).
+            sink's logit with ``sinks``, which is always in the denominator). It carries no
+            gradient: a loss that uses it gets none through it.
         kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
             picks its own tiles and implements every argument here but ``mask`` and
             ``block_mask``, forward and backward) for CUDA tensors when Triton is installed, no

@@ -636,7 +636,8 @@ def triton_attention(call: Call, *, return_lse: bool = False) -> Tensor | tuple[
         softcap, alibi_slopes, sinks: the score modifiers of ``tiled_attention``, per tile in
             forward and backward; slopes and sinks that require grad receive their gradients.
         return_lse: also return the fp32 log-sum-exp of the scaled scores, ``(batch, heads,
-            q_len)``, ``-inf`` for rows that see no key (the sink's logit with sinks).
+            q_len)``, ``-inf`` for rows that see no key (the sink's logit with sinks). It
+            carries no gradient: a loss that uses it gets none through it.
 
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
