@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -246,11 +247,29 @@ def test_parameter_count_is_the_models():
         ({"attention": "ring"}, {}, "--context-parallel"),
         ({}, {"fsdp": True, "context_parallel": True}, "cannot be combined"),
         ({}, {"pack": True, "context_parallel": True}, "takes document_ids"),
+        ({}, {"prompt": ""}, "prompt must be a non-empty string, got ''"),
+        ({}, {"prompt": 5}, "prompt must be a non-empty string, got 5"),
+        ({}, {"seed": 10**20}, "seed must be below 2**63"),
+        ({}, {"device": "foo"}, "device must be 'cpu', 'cuda' or 'cuda:<index>', got 'foo'"),
     ],
 )
 def test_bad_configuration_raises(model, run, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         resolve(model=model, run=run)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without")
+def test_cuda_on_a_machine_without_it_is_a_clear_error(corpus, tmp_path):
+    with pytest.raises(ValueError, match="has no CUDA device"):
+        train(*configs(corpus, device="cuda"), tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize("content", ["5", '{"model": 5}', '{"run": [1]}'])
+def test_config_file_of_the_wrong_shape_raises(tmp_path, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"config .*bad\.json"):
+        resolve(file=path)
 
 
 def test_config_file_with_unknown_key_raises(tmp_path):
@@ -399,6 +418,77 @@ def test_bad_data_and_runs_raise(tmp_path, case, message):
         train(model_config, run_config, tmp_path / "run", progress=False)
 
 
+def test_a_failed_start_leaves_a_folder_the_next_start_can_use(corpus, tmp_path):
+    """A start that fails before its first step (here: documents too short for a sequence)
+    leaves no configuration, so the folder is no run: started again with good data, it is
+    cleared and used; no --resume or --overwrite is asked for."""
+    short = write_corpus(tmp_path / "short", documents=12, size=3)
+    with pytest.raises(ValueError, match="too few for one sequence"):
+        train(*configs(short), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / config.CONFIG_FILE).exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    with pytest.raises(ValueError, match="every matched file is empty"):
+        train(*configs(empty), tmp_path / "run", progress=False)
+    assert not list((tmp_path / "run").rglob("*.tmp"))
+    outcome = train(*configs(corpus, steps=2), tmp_path / "run", progress=False)
+    assert outcome.step == 2 and (tmp_path / "run" / config.CONFIG_FILE).is_file()
+
+
+def test_a_file_as_the_run_folder_is_refused(corpus, tmp_path):
+    (tmp_path / "run").write_text("mine")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        train(*configs(corpus), tmp_path / "run", progress=False)
+    assert (tmp_path / "run").read_text() == "mine"
+
+
+@pytest.mark.parametrize("damage", ["truncated tokens", "no tokens", "no summary", "torn summary"])
+def test_damaged_token_files_are_refused_on_resume(corpus, tmp_path, damage):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    tokens = tmp_path / "run" / "data"
+    if damage == "truncated tokens":
+        content = (tokens / "train.bin").read_bytes()
+        (tokens / "train.bin").write_bytes(content[: len(content) // 2])
+        message = "train.bin' holds .* bytes where data.json says"
+    elif damage == "no tokens":
+        (tokens / "train.bin").unlink()
+        message = "train.bin' is missing"
+    elif damage == "no summary":
+        (tokens / "data.json").unlink()
+        message = "data.json' is missing"
+    else:
+        (tokens / "data.json").write_text('{"train_bytes": 1')
+        message = "data.json' is damaged"
+    with pytest.raises(ValueError, match=message):
+        train(model_config, replace(run, steps=4), tmp_path / "run", resume=True, progress=False)
+
+
+@pytest.mark.filterwarnings("ignore::octlm.records.RecordsWarning")  # the plot skips NaN
+def test_resuming_a_diverged_run_keeps_its_non_finite_records(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    with (tmp_path / "run" / METRICS).open("a") as records:
+        for step in (2, 3):  # as a diverged run writes them: NaN, after the checkpoint's step
+            records.write(json.dumps({"kind": "train_step", "step": step, "loss": math.nan}))
+            records.write("\n")
+    train(model_config, replace(run, steps=3), tmp_path / "run", resume=True, progress=False)
+    steps = [r["step"] for r in read_metrics(tmp_path / "run", "train_step")]
+    assert steps == [1, 2, 2, 3]  # the NaN record of step 2 stays; step 3 is written again
+    assert math.isnan(read_metrics(tmp_path / "run", "train_step")[2]["loss"])
+
+
+def test_a_run_resumed_for_more_steps_follows_the_new_schedule_at_once(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=6, warmup=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    train(model_config, replace(run, steps=12), tmp_path / "run", resume=True, progress=False)
+    rates = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run", "train_step")}
+    for step in range(7, 13):  # step k runs with the factor of k - 1 steps done
+        expected = run.lr * lr_factor(step - 1, warmup=2, steps=12, min_ratio=run.min_lr_ratio)
+        assert rates[step] == pytest.approx(expected, rel=1e-6), step
+
+
 def test_existing_run_folder_is_refused_then_overwritten(corpus, tmp_path):
     model_config, run = configs(corpus, steps=2)
     train(model_config, run, tmp_path / "run", progress=False)
@@ -474,7 +564,7 @@ def test_signal_writes_a_checkpoint_and_exits_cleanly(corpus, tmp_path, capsys, 
     sender.start()
     status = main(tiny_flags(corpus, folder, steps=1_000_000))
     sender.join()
-    assert status == 0
+    assert status == 128 + signal_number  # stopped early, as a shell reports a signal
     assert f"stopped by {signal_number.name}" in capsys.readouterr().out
     _model, step = load_run(folder)
     assert 1 <= step < 1_000_000

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -252,7 +253,12 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
             if outcome.val_bits_per_byte is not None:
                 print(f"validation: {outcome.val_bits_per_byte:.3f} bits per byte")
             print(f"run folder: {outcome.folder} (step {outcome.step})")
-        return 0
+        if outcome.stopped_by is None:
+            return 0
+        # Stopped early, with a checkpoint: 128 + the signal, as a shell reports one, so a job
+        # scheduler tells it from a finished run (130 for a signal on another rank).
+        stopped = getattr(signal.Signals, outcome.stopped_by, signal.SIGINT)
+        return 128 + stopped
 
     parser.set_defaults(run=run)
 

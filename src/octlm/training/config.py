@@ -92,6 +92,12 @@ class RunConfig:
         for name in ("warmup", "seed", "sample_tokens"):
             if not is_int_at_least(getattr(self, name), 0):
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.seed >= 2**63:  # torch.manual_seed takes a signed 64-bit seed
+            raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
+        if not isinstance(self.prompt, str) or not self.prompt:
+            raise ValueError(f"prompt must be a non-empty string, got {self.prompt!r}")
+        if self.device is not None:
+            parse_device(self.device)
         for name, low, high in (("val_share", 0, 1), ("min_lr_ratio", 0, 1)):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not low <= value <= high or value == 1:
@@ -106,6 +112,15 @@ class RunConfig:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.fsdp and self.context_parallel:
             raise ValueError("fsdp and context_parallel cannot be combined: choose one")
+
+
+def parse_device(text: str) -> torch.device:
+    """``text`` as a torch device, or a ValueError that says what was expected. Whether the
+    machine has it is for the code that uses it to say (a resumed run may move)."""
+    try:
+        return torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {text!r}") from None
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -138,15 +153,17 @@ def read_file(path: str | Path) -> dict:
             content = json.loads(path.read_text())
     except ValueError as error:  # JSON and TOML decode errors are ValueErrors
         raise ValueError(f"config {str(path)!r} is not valid {path.suffix[1:]}: {error}") from None
-    unknown = set(content) - {"model", "run"}
-    if not isinstance(content, dict) or unknown:
+    if not isinstance(content, dict) or set(content) - {"model", "run"}:
+        found = sorted(content) if isinstance(content, dict) else type(content).__name__
         raise ValueError(
-            f"config {str(path)!r} may hold only 'model' and 'run' tables, got {unknown}"
+            f"config {str(path)!r} may hold only 'model' and 'run' tables, got {found}"
         )
     return content
 
 
 def _checked_keys(table: dict, known: set[str], where: str) -> dict:
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected a table of keys, got {type(table).__name__}")
     unknown = set(table) - known
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected among {sorted(known)}")

@@ -38,6 +38,12 @@ STDLIB_GLOB = "**/*.py"
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 SUMMARY = "data.json"
 STARTS = "{split}.starts.bin"
+# Every file write_tokens may leave in its folder: a folder of nothing else is octlm's own.
+OWN_FILES = frozenset(
+    {SUMMARY}
+    | {name.format(split=split) for split in SPLITS for name in ("{split}.bin", STARTS)}
+    | {f".{split}.bin.tmp" for split in SPLITS}
+)
 IGNORED = -100  # a target that counts for nothing (F.cross_entropy's default ignore_index)
 
 
@@ -104,7 +110,24 @@ def write_tokens(
         if path.is_dir()
         else set()
     )
-    outputs = {split: (folder / f".{split}.bin.tmp").open("wb") for split in SPLITS}
+    temporary = {split: folder / f".{split}.bin.tmp" for split in SPLITS}
+    try:
+        summary = _write_splits(path, documents, validation, summary, temporary)
+    except BaseException:  # nothing half-written stays behind
+        for file in temporary.values():
+            file.unlink(missing_ok=True)
+        raise
+    for split in SPLITS:
+        os.replace(temporary[split], folder / f"{split}.bin")
+    (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _write_splits(path, documents, validation, summary, temporary) -> dict:
+    """Write each split's bytes to its ``temporary`` file and its document offsets to their
+    final place; the summary counted, or a ValueError for an empty corpus or split."""
+    folder, val_share = next(iter(temporary.values())).parent, summary["val_share"]
+    outputs = {split: file.open("wb") for split, file in temporary.items()}
     starts = {split: array("q") for split in SPLITS}  # int64 offsets of documents
     try:
         for document in documents:
@@ -137,20 +160,41 @@ def write_tokens(
             )
     for split in SPLITS:
         (folder / STARTS.format(split=split)).write_bytes(starts[split].tobytes())
-        os.replace(folder / f".{split}.bin.tmp", folder / f"{split}.bin")
-    (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 def read_summary(folder: str | os.PathLike) -> dict | None:
-    """The summary of tokens already written to ``folder``, or None."""
+    """The summary of tokens already written to ``folder``, or None if there is none."""
     path = Path(folder) / SUMMARY
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(path)!r} is damaged ({error}); start the run again") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{str(path)!r} is damaged (not a JSON object); start the run again")
+    return summary
+
+
+def _checked_file(folder: Path, name: str, size: int | None) -> Path:
+    """``folder / name``, which must exist and, when ``size`` is known, hold that many bytes."""
+    path = folder / name
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} is missing; start the run again")
+    if size is not None and path.stat().st_size != size:
+        raise ValueError(
+            f"{str(path)!r} holds {path.stat().st_size} bytes where {SUMMARY} says {size}: "
+            "it is damaged; start the run again"
+        )
+    return path
 
 
 def load_tokens(folder: str | os.PathLike, split: str, length: int) -> Tensor:
-    """The memory-mapped uint8 tokens ``(N,)`` of one split, checked to hold a sequence."""
-    path = Path(folder) / f"{split}.bin"
+    """The memory-mapped uint8 tokens ``(N,)`` of one split, checked against the folder's
+    summary and to hold a sequence."""
+    summary = read_summary(folder) or {}
+    path = _checked_file(Path(folder), f"{split}.bin", summary.get(f"{split}_bytes"))
     size = path.stat().st_size
     if size <= length:
         raise ValueError(
@@ -168,6 +212,10 @@ def load_starts(folder: str | os.PathLike, split: str) -> Tensor:
             f"{str(path)!r} is missing: these token files were written without document "
             "offsets, which packing needs; start a new run (or --overwrite this one)"
         )
+    documents = (read_summary(folder) or {}).get(f"{split}_documents")
+    _checked_file(Path(folder), path.name, None if documents is None else 8 * documents)
+    if path.stat().st_size % 8:
+        raise ValueError(f"{str(path)!r} is damaged (not whole int64 offsets); start again")
     return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.int64)
 
 

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from octlm.model import OctLM
 from octlm.parallel import reduce_gradients
+from octlm.training.config import parse_device
 
 MODES = ("single", "ddp", "fsdp", "context")
 
@@ -106,7 +107,7 @@ def setup(device: str | None, *, fsdp: bool, context_parallel: bool) -> Cluster:
 
     A process group initialised by the caller is used as it is (and left for it to destroy).
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = local_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     owns_group = False
     if device.type == "cuda" and "LOCAL_RANK" in os.environ:
@@ -126,6 +127,18 @@ def setup(device: str | None, *, fsdp: bool, context_parallel: bool) -> Cluster:
         return Cluster(0, 1, device, "single", owns_group=False)
     mode = "fsdp" if fsdp else "context" if context_parallel else "ddp"
     return Cluster(dist.get_rank(), dist.get_world_size(), device, mode, owns_group)
+
+
+def local_device(text: str) -> torch.device:
+    """The device ``text`` names on this machine, with an index for CUDA (the current one when
+    none is given); a ValueError when it is malformed or CUDA is not there."""
+    device = parse_device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {text!r}: this machine or torch build has no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def teardown(cluster: Cluster) -> None:

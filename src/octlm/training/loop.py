@@ -123,6 +123,10 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         cluster.device.type, dtype=DTYPES[run.dtype], enabled=run.dtype != "float32"
     )
     if cluster.is_main:
+        if not resume:  # everything before the first step worked: the folder is now a run
+            (folder / CONFIG_FILE).write_text(
+                json.dumps(to_dict(model_config, run), indent=2) + "\n"
+            )
         _announce(summary, model_config, run, cluster, start)
 
     bar = tqdm(
@@ -211,8 +215,17 @@ def _on_main(cluster: Cluster, work):
 
 
 def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> dict:
-    """Check or create the run folder, write ``config.json`` and the token files; their summary."""
+    """Check or create the run folder and write the token files; their summary.
+
+    ``config.json``, which makes the folder a run, is written only once everything before the
+    first step has worked (in :func:`_train`): a folder with token files and no configuration is
+    a preparation that did not finish, and the next start clears it.
+    """
     config_path = folder / CONFIG_FILE
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"run folder {str(folder)!r} is a file, not a folder")
+    if not resume and _unfinished(folder):
+        shutil.rmtree(folder)
     if resume:
         if not config_path.is_file():
             raise ValueError(f"--resume: {str(folder)!r} holds no run (no {CONFIG_FILE})")
@@ -232,15 +245,31 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     summary = data.read_summary(folder / DATA_FOLDER)
+    if summary is None and resume:
+        raise ValueError(
+            f"--resume: {str(folder / DATA_FOLDER / data.SUMMARY)!r} is missing, so the run's "
+            "token files cannot be checked; start the run again (--overwrite)"
+        )
     if summary is None:
         source, glob = data.default_corpus()
         source, glob = (
             (source, glob) if run.data is None else (run.data, run.glob or data.DEFAULT_GLOB)
         )
         summary = data.write_tokens(source, run.glob or glob, run.val_share, folder / DATA_FOLDER)
-    if not resume:
-        config_path.write_text(json.dumps(to_dict(model_config, run), indent=2) + "\n")
     return summary
+
+
+def _unfinished(folder: Path) -> bool:
+    """Whether ``folder`` holds only token files octlm wrote, and no ``config.json``."""
+    if not folder.is_dir() or (folder / CONFIG_FILE).exists():
+        return False
+    entries = list(folder.iterdir())
+    tokens = folder / DATA_FOLDER
+    return (
+        entries == [tokens]
+        and tokens.is_dir()
+        and all(entry.name in data.OWN_FILES and entry.is_file() for entry in tokens.iterdir())
+    )
 
 
 def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster) -> int:
@@ -248,6 +277,12 @@ def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, c
     state = checkpoint.load(checkpoint.latest(folder), model_config)
     distributed.load_full_state(raw, optimizer, state["model"], state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    # The checkpoint holds the next step's rate under the schedule it was taken with; a resumed
+    # run may go on for another number of steps, whose schedule says otherwise.
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
     scaler.load_state_dict(state["scaler"])
     batches.load_state_dict(state["data"])
     rng = state["rng"]

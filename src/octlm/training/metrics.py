@@ -46,10 +46,22 @@ class Metrics:
         """Drop records past ``step``: a resumed run writes those steps again."""
         if not (self.enabled and self.path.exists()):
             return
-        kept = [r for r in records.read(self.path) if r.get("step", 0) <= step]
+        kept = []
+        for line in self.path.read_bytes().splitlines(keepends=True):
+            try:
+                record = json.loads(line)  # NaN and inf losses too: a diverged run's records
+            except ValueError:  # a torn line (not UTF-8 or not JSON): the run writes it again
+                continue
+            if isinstance(record, dict) and not _after(record.get("step", 0), step):
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
         temporary = self.path.with_name(f".{METRICS}.tmp")
-        temporary.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        temporary.write_bytes(b"".join(kept))
         os.replace(temporary, self.path)
+
+
+def _after(recorded, step: int) -> bool:
+    """Whether a record's ``step`` field is a step past ``step`` (not a number: it is not)."""
+    return isinstance(recorded, int | float) and recorded > step
 
 
 def plot(folder: str | os.PathLike) -> Path:

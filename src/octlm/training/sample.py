@@ -12,6 +12,7 @@ import torch
 from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint
 from octlm.training.config import CONFIG_FILE, model_from_dict
+from octlm.training.distributed import local_device
 
 
 def single_process(config: ModelConfig) -> ModelConfig:
@@ -70,4 +71,4 @@ def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int
     state = checkpoint.load(path, model_config)
     model = OctLM(single_process(model_config))
     model.load_state_dict(state["model"])
-    return model.to(device), state["step"]
+    return model.to(local_device(device)), state["step"]
