@@ -101,6 +101,42 @@ def test_alibi_bias_as_a_float_mask_is_within_the_rule():
         assert_judged(tiled_attention(query, key, value, block=block, mask=bias), base, golden)
 
 
+@pytest.mark.parametrize("case", ["row of 1000", "every other key 1.6e4", "row of -1e5"])
+@pytest.mark.parametrize("hidden", ["", "nan", "inf"])
+def test_large_finite_offsets_keep_naives_precision(case, hidden):
+    """Scores offset by a large finite mask value: the offset's rounding sets the error, and
+    in base 2 (times log2(e)) a sum can land in the next binade, with twice naive's error (these
+    cases failed the rule so). A NaN or -inf that no row sees must not hide the offset."""
+    if case == "every other key 1.6e4":
+        query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=64, head_size=16, seed=3)
+        mask = torch.zeros(64, 64)
+        mask[:, ::2] = 1.6e4
+    else:
+        query, key, value = make_qkv(batch=1, heads=2, kv_heads=1, q_len=40, head_size=8)
+        mask = torch.zeros(40, 40)
+        mask[10] = 1000.0 if case == "row of 1000" else -1e5
+    if hidden:  # beside a hidden place: causal hides key 1 from row 0
+        mask[0, 1] = float(hidden if hidden == "nan" else "-inf")
+    causal = bool(hidden)
+    block = (16, 8)
+    check_forward_and_backward(
+        query, key, value, block, gradients=not hidden, causal=causal, mask=mask
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [FINFO_MIN, 3e38])
+def test_a_hidden_nan_in_the_mask_leaves_huge_values_scores(value):
+    """A NaN no row sees (above the causal diagonal) must not stop tiled from seeing that the
+    mask's finite values would overflow in base 2 (aminmax of a tensor with a NaN is NaN)."""
+    query, key, value_ = make_qkv(batch=1, heads=1, kv_heads=1, q_len=8, head_size=4)
+    mask = torch.zeros(8, 8)
+    mask[3] = value  # row 3: every key it sees carries it (the uniform average)
+    mask[0, 7] = float("nan")  # row 0 cannot see key 7
+    out = tiled_attention(query, key, value_, mask=mask)
+    golden = reference(query, key, value_, mask=mask)
+    assert_judged(out, naive_attention(query, key, value_, mask=mask), golden)
+
+
 @pytest.mark.parametrize("name", SINGLE_PROCESS)
 def test_finfo_min_mask_is_a_score_not_a_hidden_mark(name):
     """Rows whose every key carries finfo.min get the uniform average, as the definition says;
@@ -232,11 +268,13 @@ def test_infinite_values_reach_the_rows_that_see_them_as_the_definition_says(blo
     value[:, :, 20, 3] = float("inf")
     value[:, :, 30, 3] = float("-inf")
     value[:, :, 10, 5] = float("-inf")
+    key[:, :, 33] = float("nan")  # rows 33 on see a NaN score: NaN, whatever value they see
     out = tiled_attention(query, key, value, block=block)
     golden = reference(query, key, value)
     assert torch.equal(out.isnan(), golden.isnan()) and torch.equal(out.isinf(), golden.isinf())
     assert torch.equal(out[out.isinf()], golden[golden.isinf()].to(out.dtype))
-    assert out[0, 0, 25, 3] == float("inf") and out[0, 0, 35, 3].isnan()
+    assert out[0, 0, 25, 3] == float("inf") and out[0, 0, 31, 3].isnan()
+    assert out[0, 0, 33:].isnan().all()
     finite = golden.isfinite()
     assert_judged(out[finite], naive_attention(query, key, value)[finite], golden[finite])
 
@@ -280,14 +318,17 @@ def test_hidden_garbage_does_not_reach_tiled_gradients(where):
         assert not got.masked_select(hidden.expand_as(got)).any()
 
 
-def test_sdpa_ignores_garbage_in_padded_keys():
+@pytest.mark.parametrize("extra", [{}, {"softcap": 5.0, "mask": torch.zeros(32, 32)}])
+def test_sdpa_ignores_garbage_in_padded_keys(extra):
+    """Also where the softcap's dense scores are formed from the keys and a float mask is
+    added to them (a NaN there plus the padding's -inf would be NaN)."""
     query, key, value = make_qkv(batch=2, heads=2, kv_heads=1, q_len=32)
-    key_lengths = torch.tensor([20, 32])
+    options = {"key_lengths": torch.tensor([20, 32]), **extra}
     key[0, :, 20:], value[0, :, 20:] = float("nan"), float("inf")
-    out = call("sdpa", query, key, value, key_lengths=key_lengths)
+    out = call("sdpa", query, key, value, **options)
     assert not out.isnan().any()
-    golden = reference(query, key, value, key_lengths=key_lengths)
-    assert_judged(out, naive_attention(query, key, value, key_lengths=key_lengths), golden)
+    golden = reference(query, key, value, **options)
+    assert_judged(out, naive_attention(query, key, value, **options), golden)
 
 
 def test_the_equality_rule_fails_on_nan():

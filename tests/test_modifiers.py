@@ -200,3 +200,25 @@ def test_slope_gradients_over_long_rows_are_within_the_rule(length):
     base = gradients(naive_attention, tensors, grad_out)
     golden = gradients(reference, {n: x.double() for n, x in tensors.items()}, grad_out)
     assert_judged(mine["alibi_slopes"], base["alibi_slopes"], golden["alibi_slopes"], factor=3.0)
+
+
+def test_sinks_near_the_largest_float_are_scores():
+    """A finite sink near finfo.max takes every row's mass (output 0, lse the sink); one near
+    finfo.min takes none. Neither may overflow on the way (base 2 multiplies by log2(e))."""
+    query, key, value = make_qkv(heads=HEADS, q_len=7)
+    sinks = torch.tensor([3e38, 0.0, -3e38, 1.0])
+    out, lse = tiled_attention(query, key, value, sinks=sinks, return_lse=True)
+    golden = reference(query, key, value, sinks=sinks)
+    assert out.isfinite().all() and not out[:, 0].any()
+    assert_judged(out, naive_attention(query, key, value, sinks=sinks), golden)
+    assert (lse[:, 0] == 3e38).all() and lse[:, 2].isfinite().all()
+
+
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+def test_softcap_with_no_keys_keeps_the_querys_gradient(name):
+    """No keys: the output is zero whatever the query, and its gradient is zero, not None."""
+    query, key, value = make_qkv(heads=HEADS, q_len=3)
+    query.requires_grad_()
+    out = SINGLE_PROCESS[name](query, key[:, :, :0], value[:, :, :0], softcap=5.0)
+    out.sum().backward()
+    assert query.grad is not None and not query.grad.any()

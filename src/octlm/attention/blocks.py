@@ -54,6 +54,8 @@ DEFAULT_BLOCK = (512, 256)
 # than 256-row ones on an idle machine.
 THREAD_SHARES = 16
 THREAD_ROWS = 128
+# Score offsets (float mask values, sinks) from which scores are kept in natural units.
+LARGE_OFFSET = 64.0
 # Query rows per block (heads of a group included) from which the shift rides in the matmul.
 FUSED_SHIFT_ROWS = 64
 # The largest shift (in score units) the backward lets ride in the matmul: inside it, the
@@ -81,23 +83,27 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class Units:
     """The units scores are kept in: ``unit`` times natural units, exponentiated in base
-    ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is several
-    times cheaper than ``exp`` on CPU; natural units when a float mask holds finite values that
-    would overflow once multiplied by ``log2(e)`` (``finfo.min`` masks, or a huge positive
-    one), since such a value is still a score and must keep its place in the softmax."""
+    ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is about
+    twice as cheap as ``exp`` on CPU. Natural units when the caller offsets scores by finite
+    values of ``LARGE_OFFSET`` or more (a float mask, the sinks): there the offset's rounding,
+    not the scores', sets the error, and scaling by ``log2(e)`` can carry a sum into the next
+    binade and double it; and a value near ``finfo.max`` (``finfo.min`` masks) would overflow,
+    where it is still a score and must keep its place in the softmax."""
 
     unit: float
 
     @staticmethod
-    def choose(mask: Tensor | None, dtype: torch.dtype) -> Units:
-        if mask is None or not mask.is_floating_point() or not mask.numel():
-            return Units(LOG2E)
-        low, high = torch.aminmax(mask)
-        if bool(low.isinf() | high.isinf()):  # -inf hides a key in any base: only finite
-            low, high = torch.aminmax(mask.nan_to_num(posinf=0.0, neginf=0.0))  # values count
-        if max(-float(low), float(high)) * LOG2E > torch.finfo(dtype).max:
-            return Units(1.0)
-        return Units(LOG2E)
+    def choose(dtype: torch.dtype, *offsets: Tensor | None) -> Units:
+        largest = 0.0
+        for offset in offsets:
+            if offset is None or not offset.is_floating_point() or not offset.numel():
+                continue
+            low, high = torch.aminmax(offset)
+            if not bool(low.isfinite() & high.isfinite()):  # -inf hides in any base, and NaN
+                offset = offset.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # has no size
+                low, high = torch.aminmax(offset)
+            largest = max(largest, -float(low), float(high))
+        return Units(1.0) if largest >= LARGE_OFFSET else Units(LOG2E)
 
     def exp_(self, x: Tensor) -> Tensor:
         return x.exp2_() if self.unit != 1.0 else x.exp_()
@@ -620,7 +626,7 @@ def _forward_pass(
     sinks = rules.sinks
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
-    units = Units.choose(mask, dtype)
+    units = Units.choose(dtype, mask, sinks)
     if 0 in query.shape or 0 in key.shape:  # no rows, or no keys to see: zeros, as naive gives
         nothing = query.new_zeros(query.shape[:-1], dtype=dtype)  # (B, H, Q)
         if sinks is None:
@@ -686,10 +692,11 @@ def _forward_pass(
             shape = (walk.batch, kv_heads, len(rows), walk.group)
             state.absorb(sinks.expand(shape).reshape(walk.batch * kv_heads, -1, 1))
         result = state.output()  # (B*Hkv, R, D)
-        if poison is not None:
+        if poison is not None:  # a row already NaN (a NaN score) stays NaN
             nan, high, low = poison.split(head_size, dim=-1)  # (B*Hkv, R, D) each
+            nan = nan | (high & low) | result.isnan()
             result.masked_fill_(high, float("inf")).masked_fill_(low, float("-inf"))
-            result.masked_fill_(nan | (high & low), float("nan"))
+            result.masked_fill_(nan, float("nan"))
         shape = (walk.batch, kv_heads, len(rows), walk.group)
         total = state.running_sum.view(shape)
         return result.view(*shape, head_size), state.shift.view(shape), total
@@ -766,7 +773,7 @@ def attend_backward(
         zeros = (torch.zeros_like(x, dtype=dtype) for x in (query, key, value))
         return tuple(zeros)
     if isinstance(lse, Tensor):  # the log-sum-exp alone: shift by it, total 1
-        units = Units.choose(mask, dtype)
+        units = Units.choose(dtype, mask, rules.sinks)
         seen = lse > NEG_INF
         shift = (lse.to(dtype) * units.unit).masked_fill(~seen, 0.0)
         lse = RowStats(shift, seen.to(dtype), units, careful=not _all_finite(query, key, value))

@@ -48,7 +48,7 @@ def sdpa_attention(call: Call) -> Tensor:
         key, value = key.masked_fill(~present, 0.0), value.masked_fill(~present, 0.0)
     if not plain:
         attn_mask = dense_mask(call)
-        bias = _score_bias(call)  # (B|1, H, Q, K) or None
+        bias = _score_bias(call, key)  # (B|1, H, Q, K) or None
         if bias is not None:
             attn_mask = bias if attn_mask is None else _hide(bias, attn_mask)
         if call.sinks is not None:
@@ -57,7 +57,7 @@ def sdpa_attention(call: Call) -> Tensor:
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(query.dtype)  # SDPA wants the query's dtype
     coarse = _lse_too_coarse(attn_mask, query, key, value)
-    if call.softcap is not None:
+    if call.softcap is not None and call.k_len:
         query = torch.zeros_like(query)  # the capped scores are all in the mask
     with sdpa_kernel(SDPBackend.MATH) if coarse else contextlib.nullcontext():
         return F.scaled_dot_product_attention(
@@ -89,12 +89,13 @@ def _lse_too_coarse(attn_mask: Tensor | None, *tensors: Tensor) -> bool:
     return bool(((row_max.abs() > LSE_LIMIT) & row_max.isfinite()).any())
 
 
-def _score_bias(call: Call) -> Tensor | None:
-    """What the modifiers add to SDPA's scaled scores, as one dense float mask."""
+def _score_bias(call: Call, key: Tensor) -> Tensor | None:
+    """What the modifiers add to SDPA's scaled scores, as one dense float mask; ``key`` is
+    the call's, with its padding zeroed."""
     dtype = torch.promote_types(call.query.dtype, torch.float32)
     bias = None
     if call.softcap is not None:  # the capped scores, whole: SDPA is given a zero query
-        key = call.key.to(dtype).repeat_interleave(call.group, dim=1)  # (B, H, K, D)
+        key = key.to(dtype).repeat_interleave(call.group, dim=1)  # (B, H, K, D)
         raw = call.query.to(dtype) @ key.transpose(-2, -1) * call.scale  # (B, H, Q, K)
         bias = call.softcap * torch.tanh(raw / call.softcap)
     if call.alibi_slopes is not None:
