@@ -25,7 +25,7 @@ import torch
 
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
-from octlm.training import checkpoint, config, data, train
+from octlm.training import checkpoint, config, data, loop, train
 from octlm.training.config import RunConfig, resolve
 from octlm.training.metrics import METRICS, PICTURE
 from octlm.training.optim import lr_factor, make_optimizer
@@ -443,9 +443,13 @@ def test_a_file_as_the_run_folder_is_refused(corpus, tmp_path):
     assert (tmp_path / "run").read_text() == "mine"
 
 
-@pytest.mark.parametrize("damage", ["truncated tokens", "no tokens", "no summary", "torn summary"])
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated tokens", "no tokens", "no summary", "torn summary", "summary of nothing",
+     "offsets out of order"],
+)  # fmt: skip
 def test_damaged_token_files_are_refused_on_resume(corpus, tmp_path, damage):
-    model_config, run = configs(corpus, steps=2)
+    model_config, run = configs(corpus, steps=2, pack=True)
     train(model_config, run, tmp_path / "run", progress=False)
     tokens = tmp_path / "run" / "data"
     if damage == "truncated tokens":
@@ -458,9 +462,19 @@ def test_damaged_token_files_are_refused_on_resume(corpus, tmp_path, damage):
     elif damage == "no summary":
         (tokens / "data.json").unlink()
         message = "data.json' is missing"
-    else:
+    elif damage == "torn summary":
         (tokens / "data.json").write_text('{"train_bytes": 1')
         message = "data.json' is damaged"
+    elif damage == "summary of nothing":
+        (tokens / "data.json").write_text("{}")
+        message = "data.json' is damaged"
+    else:  # the same size, other offsets: one past the tokens
+        starts = torch.frombuffer(
+            bytearray((tokens / "train.starts.bin").read_bytes()), dtype=torch.int64
+        )
+        starts[-1] = 10**12
+        (tokens / "train.starts.bin").write_bytes(starts.numpy().tobytes())
+        message = "offsets must rise from 0 inside the train tokens"
     with pytest.raises(ValueError, match=message):
         train(model_config, replace(run, steps=4), tmp_path / "run", resume=True, progress=False)
 
@@ -569,6 +583,56 @@ def test_signal_writes_a_checkpoint_and_exits_cleanly(corpus, tmp_path, capsys, 
     _model, step = load_run(folder)
     assert 1 <= step < 1_000_000
     assert max(losses(folder)) == step
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
+def test_signal_while_preparing_stops_at_once_and_leaves_no_run(
+    corpus, tmp_path, capsys, monkeypatch, signal_number
+):
+    """Before the first step a signal stops the preparation where it is: no run, no
+    half-written token file, exit 128 + signal; the next start begins afresh."""
+    folder = tmp_path / "run"
+    write_splits = data._write_splits
+
+    def signalled(*args):
+        os.kill(os.getpid(), signal_number)  # arrives while the split files are open
+        return write_splits(*args)
+
+    monkeypatch.setattr(data, "_write_splits", signalled)
+    assert main(tiny_flags(corpus, folder, steps=2)) == 128 + signal_number
+    assert "before the first step; nothing to resume" in capsys.readouterr().err
+    assert not (folder / config.CONFIG_FILE).exists() and not list(folder.rglob("*.tmp"))
+    monkeypatch.setattr(data, "_write_splits", write_splits)
+    assert main(tiny_flags(corpus, folder, steps=2)) == 0
+
+
+def test_a_signal_during_the_last_step_ends_nothing_early(corpus, tmp_path, monkeypatch):
+    step = loop._step
+
+    def signalled_step(*args):
+        os.kill(os.getpid(), signal.SIGINT)  # the loop sees it after this step, the last
+        return step(*args)
+
+    monkeypatch.setattr(loop, "_step", signalled_step)
+    outcome = train(*configs(corpus, steps=1), tmp_path / "run", progress=False)
+    assert outcome.stopped_by is None and outcome.step == 1
+    assert checkpoint.latest(tmp_path / "run") is not None
+
+
+def test_a_folder_of_someone_elses_token_files_is_never_cleared(corpus, tmp_path):
+    """Files named like octlm's own (train.bin, val.bin, data.json) in a folder octlm did not
+    make are not octlm's: a plain start and --overwrite both refuse it, and leave it as it was."""
+    theirs = tmp_path / "project" / "data"
+    theirs.mkdir(parents=True)
+    for name in ("train.bin", "val.bin", "data.json"):
+        (theirs / name).write_text(f"their {name}")
+    with pytest.raises(ValueError, match="is not empty"):
+        train(*configs(corpus), tmp_path / "project", progress=False)
+    with pytest.raises(ValueError, match="clears only run folders"):
+        train(*configs(corpus), tmp_path / "project", overwrite=True, progress=False)
+    assert sorted(p.read_text() for p in theirs.iterdir()) == [
+        "their data.json", "their train.bin", "their val.bin"
+    ]  # fmt: skip
 
 
 def test_command_line_trains_refuses_resumes_and_samples(corpus, tmp_path, capsys):

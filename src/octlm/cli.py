@@ -240,15 +240,20 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
 
     def run(args: argparse.Namespace) -> int:
         from octlm.training import train
+        from octlm.training.loop import Interrupted
 
         model_values, run_values = config.explicit_values(args)
         model_config, run_config = config.resolve(
             args.preset, args.config, model_values, run_values,
             resume=args.out if args.resume else None,
         )  # fmt: skip
-        outcome = train(
-            model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
-        )
+        try:
+            outcome = train(
+                model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
+            )
+        except Interrupted as interrupted:  # before the first step: no run was made
+            print(f"octlm train: {interrupted}; nothing to resume", file=sys.stderr)
+            return 128 + interrupted.signum
         if outcome.rank == 0:
             if outcome.val_bits_per_byte is not None:
                 print(f"validation: {outcome.val_bits_per_byte:.3f} bits per byte")

@@ -172,8 +172,16 @@ def read_summary(folder: str | os.PathLike) -> dict | None:
         summary = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as error:
         raise ValueError(f"{str(path)!r} is damaged ({error}); start the run again") from None
-    if not isinstance(summary, dict):
-        raise ValueError(f"{str(path)!r} is damaged (not a JSON object); start the run again")
+    counts = [f"{split}_{what}" for split in SPLITS for what in ("documents", "bytes")]
+    if (
+        not isinstance(summary, dict)
+        or not all(isinstance(summary.get(name), int) and summary[name] >= 0 for name in counts)
+        or not isinstance(summary.get("source"), str)
+    ):
+        raise ValueError(
+            f"{str(path)!r} is damaged (expected source and {', '.join(counts)}); start the "
+            "run again"
+        )
     return summary
 
 
@@ -212,11 +220,19 @@ def load_starts(folder: str | os.PathLike, split: str) -> Tensor:
             f"{str(path)!r} is missing: these token files were written without document "
             "offsets, which packing needs; start a new run (or --overwrite this one)"
         )
-    documents = (read_summary(folder) or {}).get(f"{split}_documents")
+    summary = read_summary(folder) or {}
+    documents, size = summary.get(f"{split}_documents"), summary.get(f"{split}_bytes")
     _checked_file(Path(folder), path.name, None if documents is None else 8 * documents)
     if path.stat().st_size % 8:
         raise ValueError(f"{str(path)!r} is damaged (not whole int64 offsets); start again")
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.int64)
+    starts = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.int64)  # (D,)
+    inside = size is None or not len(starts) or int(starts[-1]) < size
+    if len(starts) and (starts[0] != 0 or not bool((starts[1:] > starts[:-1]).all()) or not inside):
+        raise ValueError(
+            f"{str(path)!r} is damaged (offsets must rise from 0 inside the {split} tokens); "
+            "start the run again"
+        )
+    return starts
 
 
 class Batch(NamedTuple):

@@ -48,7 +48,17 @@ from octlm.training.optim import make_optimizer, make_scheduler
 from octlm.training.sample import generate_text, single_process
 
 DATA_FOLDER = "data"
+# Marks a run folder that octlm made and has not yet brought to its first step.
+PREPARING = ".octlm-preparing"
 LN2 = math.log(2)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM before the first step: nothing was trained, nothing is kept."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} before the first step")
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,9 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
             (folder / CONFIG_FILE).write_text(
                 json.dumps(to_dict(model_config, run), indent=2) + "\n"
             )
+            (folder / PREPARING).unlink()
         _announce(summary, model_config, run, cluster, start)
+    stop["armed"] = True  # from here a signal ends the run after a step, with a checkpoint
 
     bar = tqdm(
         total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
@@ -172,7 +184,8 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
                 folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster
             )
         if signalled:
-            stopped_by = stop["signal"] or "a signal on another rank"
+            if step < run.steps:  # a signal during the last step ends nothing early
+                stopped_by = stop["signal"] or "a signal on another rank"
             break
     bar.close()
     if cluster.is_main and stopped_by:
@@ -244,6 +257,8 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
             )
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if not resume:  # this folder is empty and ours: marked, so a failed start can be cleared
+        (folder / PREPARING).touch()
     summary = data.read_summary(folder / DATA_FOLDER)
     if summary is None and resume:
         raise ValueError(
@@ -260,16 +275,9 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
 
 
 def _unfinished(folder: Path) -> bool:
-    """Whether ``folder`` holds only token files octlm wrote, and no ``config.json``."""
-    if not folder.is_dir() or (folder / CONFIG_FILE).exists():
-        return False
-    entries = list(folder.iterdir())
-    tokens = folder / DATA_FOLDER
-    return (
-        entries == [tokens]
-        and tokens.is_dir()
-        and all(entry.name in data.OWN_FILES and entry.is_file() for entry in tokens.iterdir())
-    )
+    """Whether ``folder`` is a start of octlm's that never reached its first step: marked when
+    it was made (from nothing) and still without ``config.json``."""
+    return (folder / PREPARING).is_file() and not (folder / CONFIG_FILE).exists()
 
 
 def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster) -> int:
@@ -429,13 +437,17 @@ def _announce(
 
 @contextlib.contextmanager
 def _stop_on_signals():
-    """``{"signal": name or None}``, set when SIGINT or SIGTERM arrives during the block."""
-    stop = {"signal": None}
+    """``{"signal": name or None, "armed": bool}``. Once ``armed`` (training has begun), SIGINT
+    and SIGTERM set ``signal`` and the loop stops after its step; before, they raise
+    :class:`Interrupted`, so preparing the data stops at once and cleans up after itself."""
+    stop = {"signal": None, "armed": False}
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def handler(signum, _frame):
+        if not stop["armed"]:
+            raise Interrupted(signum)
         stop["signal"] = signal.Signals(signum).name
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
