@@ -296,6 +296,66 @@ def test_a_raw_padding_mask_is_refused():
         attention(module, query, key, key, torch.ones(2, 8, dtype=torch.bool))
 
 
+# Models beyond plain attention: Gemma 2's logit soft-capping, gpt-oss's sinks, DeepSeek-V3's
+# latent attention (values shorter than keys), and Doge, which reads the mask itself.
+FAMILIES = {
+    "gemma2": dict(attn_logit_softcapping=5.0, final_logit_softcapping=None, head_dim=16),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=2,
+        moe_intermediate_size=32,
+    ),
+    "doge": dict(),
+}
+
+
+def build_family(kind: str) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(kind, **{**SIZES, **FAMILIES[kind]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    for module in model.modules():  # gpt-oss starts its sinks at zero: give them weight
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    # gpt-oss's experts take no float64; eager's softmax is float32 in any case.
+    return model.to(torch.float32 if kind == "gpt_oss" else torch.float64).eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "deepseek_v3"])
+def test_soft_capping_sinks_and_latent_attention_reach_octlm(kind, spy):
+    """Each family's own maths in octlm: tiled equals naive (float64, or float32 where the
+    model takes no float64), and both equal transformers' eager attention, whose softmax runs
+    in float32 (so float32's tolerance)."""
+    model = build_family(kind)
+    ids, mask = batch("none", length=24)
+    eager = logits(model, "eager", ids, mask)
+    naive = logits(model, "octlm_naive", ids, mask)
+    tiled = logits(model, "octlm_tiled", ids, mask)
+    close = 1e-10 if naive.dtype == torch.float64 else 1e-4
+    assert (tiled - naive).abs().max() < close
+    assert (naive - eager).abs().max() < 1e-4
+    if kind == "gemma2":
+        assert {call["softcap"] for call in spy} == {5.0}
+    if kind == "gpt_oss":
+        assert all(call["sinks"] is not None for call in spy)
+
+
+def test_a_model_that_reads_the_mask_itself_is_told_what_to_use():
+    model = build_family("doge")
+    ids, mask = batch("none", length=8)
+    with pytest.raises(AttributeError, match=r"reads the attention mask itself.*'sdpa' or 'eager'"):
+        logits(model, "octlm_tiled", ids, mask)
+
+
 def test_octlm_imports_without_transformers():
     """transformers is an optional extra: octlm works without it, and the integration says
     what to install."""

@@ -26,6 +26,9 @@ It returns a :class:`StructuredMask` in octlm's terms:
   such as left padding, a ``(B, 1, 1, K)`` bool mask;
 - anything else (packed sequences found from position ids, chunked attention, custom mask
   functions, a 4-D mask the caller prepared) goes the exact route: transformers' own dense mask.
+
+Gemma 2's soft-capping and gpt-oss's sinks go on to octlm's ``softcap`` and ``sinks``; values
+shorter than keys (latent attention) get zero columns, cut from the output again.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ __all__ = ["StructuredMask", "register", "structured_mask"]
 
 PREFIX = "octlm_"
 # Keyword arguments some models pass that change the maths and that octlm does not implement.
-UNSUPPORTED = ("softcap", "s_aux", "position_bias")
+UNSUPPORTED = ("position_bias",)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,21 @@ class StructuredMask:
     keys: int | None = None
     key_lengths: Tensor | None = None
     mask: Tensor | None = None
+
+    def __getattr__(self, name: str):
+        """A model that reads the mask itself (its dtype, a slice) finds no tensor here."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_READ_BY_MODEL.format(what=f"its {name!r}"))
+
+    def __getitem__(self, index):
+        raise TypeError(_READ_BY_MODEL.format(what="a slice of it"))
+
+
+_READ_BY_MODEL = (
+    "this model reads the attention mask itself ({what}), and octlm's attention hands its "
+    "layers a StructuredMask, not a tensor; use attn_implementation='sdpa' or 'eager' for it"
+)
 
 
 def register() -> tuple[str, ...]:
@@ -107,6 +125,12 @@ def _attention_function(name: str):
         impl = implementation(name)  # looked up per call: a replaced registry entry is used
         _check_supported(impl, module, dropout, kwargs)
         rules = _rules(attention_mask, module, kwargs)
+        value_size = value.shape[-1]
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        # Multi-head latent attention's values are not as long as its keys: zero columns
+        # (appended to the shorter side) change no score and no kept output column.
+        query, key, value = _same_head_size(query, key, value)
         out = impl.function(
             query,
             key[:, :, : rules.keys],  # (B, Hkv, keys, D): a static cache's empty tail dropped
@@ -117,11 +141,24 @@ def _attention_function(name: str):
             scale=scaling,
             dropout_p=dropout,
             key_lengths=rules.key_lengths,
+            softcap=kwargs.get("softcap"),  # Gemma 2's logit soft-capping
+            sinks=kwargs.get("s_aux"),  # gpt-oss's per-head sinks
         )  # (B, H, Q, D)
-        return out.transpose(1, 2).contiguous(), None  # (B, Q, H, D), no probabilities
+        out = out[..., :value_size]  # (B, H, Q, Dv)
+        return out.transpose(1, 2).contiguous(), None  # (B, Q, H, Dv), no probabilities
 
     attention.__name__ = attention.__qualname__ = f"{PREFIX}{name}_attention"
     return attention
+
+
+def _same_head_size(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Query and key, or value, padded with zero columns to the longer of the two head sizes."""
+    gap = value.shape[-1] - key.shape[-1]
+    if gap > 0:
+        return F.pad(query, (0, gap)), F.pad(key, (0, gap)), value
+    if gap < 0:
+        return query, key, F.pad(value, (0, -gap))
+    return query, key, value
 
 
 def _check_supported(impl: Implementation, module, dropout: float, kwargs: dict) -> None:
