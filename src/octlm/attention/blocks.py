@@ -476,6 +476,12 @@ def _as_3d(x: Tensor) -> Tensor:
     return x.view(-1, *x.shape[-2:]) if x.dim() == 4 else x
 
 
+def _row_sums(tile: Tensor, far: Tensor) -> Tensor:
+    """``sum over keys of tile * far``: ``(B, Hkv, R, G, C)`` by ``(R, 1, C)`` -> ``(B, Hkv, R,
+    G)``, accumulated in float64 (the products cancel, and their weights grow with length)."""
+    return (tile * far).sum(dim=-1, dtype=torch.float64)
+
+
 def _all_finite(*tensors: Tensor | None) -> bool:
     """Whether the NaN-safe masking can be skipped, for a caller with no forward to ask."""
     return all(t is None or not t.is_floating_point() or bool(t.isfinite().all()) for t in tensors)
@@ -749,6 +755,8 @@ def attend_backward(
     *,
     grad_mask: Tensor | None = None,
     grad_alibi: Tensor | None = None,
+    residue: Tensor | None = None,
+    spread: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one query chunk against one key chunk: the backward block steps.
 
@@ -761,6 +769,12 @@ def attend_backward(
     whatever the slopes' shape) is, the gradient of the ALiBi slopes is added to it. Sinks
     change nothing here (they live in the row statistics); their gradient is
     :func:`sink_gradient`.
+
+    ``delta`` comes from the rounded output, so each row's ``ds`` sums to a little more or less
+    than it should; the slopes' and sinks' gradients multiply that residue (by distances, over
+    every row). ``residue`` (``(B, Hkv, Q, G)`` float64, when given) receives what each row's
+    ``ds`` sums to over these keys, and ``spread`` (the same, with ALiBi) each row's mean
+    distance ``sum p * distance``, from which :func:`delta_error` and the caller correct them.
     """
     past, causal, window, mask, scale, block = (
         rules.past, rules.causal, rules.window, rules.mask, rules.scale, rules.block,
@@ -825,6 +839,11 @@ def attend_backward(
             grad_slopes = torch.zeros_like(grad_alibi, dtype=torch.float64)
         # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
         for rows in blocks:
+            row_residue = row_spread = None
+            if residue is not None:  # (B*Hkv, R*G)
+                row_residue = residue.new_zeros(value.shape[0], len(rows) * walk.group)
+            if spread is not None:
+                row_spread = residue.new_zeros(walk.batch, kv_heads, len(rows), walk.group)
             q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
             q_plain = _as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
             shift_row = None if fused else _as_3d(walk.rows(shift, rows)).transpose(1, 2)
@@ -850,10 +869,15 @@ def attend_backward(
                     grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
                         grad_scores_t, rows, columns, transposed=True
                     )
+                if row_residue is not None:
+                    row_residue += grad_scores_t.sum(dim=1, dtype=torch.float64)
                 if grad_alibi is not None:  # the bias is -slope * distance
                     tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
-                    far = walk.distance(rows, columns)  # (R, C)
-                    grad_slopes -= torch.einsum("bkrgc,rc->bkg", tile.double(), far.double())
+                    far = walk.distance(rows, columns).unsqueeze(1)  # (R, 1, C)
+                    grad_slopes -= _row_sums(tile, far).sum(dim=2)  # (B, Hkv, G)
+                if row_spread is not None:  # sum of exp(score - shift) * distance
+                    weights = walk.unfold_tile(probs_t, rows, columns, transposed=True)
+                    row_spread += _row_sums(weights, far)
                 if softcap is not None:  # through the cap: d tanh = 1 - tanh²
                     grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
                 grad_key[:, mine] += torch.bmm(grad_scores_t, q_plain, out=products)
@@ -861,6 +885,11 @@ def attend_backward(
             grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
                 walk.batch, kv_heads, len(rows), walk.group, head_size
             )
+            here = slice(rows.start, rows.stop)
+            if row_residue is not None:  # runs own their rows: no two threads write one
+                residue[:, :, here] += row_residue.view(residue[:, :, here].shape)
+            if row_spread is not None:  # probabilities: over each row's total
+                spread[:, :, here] += row_spread * inverse[:, :, here, :, 0]
         return seen, grad_key, grad_value, grad_slopes
 
     parts = parallel_map(attend, walk.groups(), query.device)
@@ -880,14 +909,29 @@ def attend_backward(
     return unfold_heads(grad_query.mul_(scale)), grad_key.div_(units.unit), grad_value
 
 
+def sink_share(rows: RowStats, sinks: Tensor | None) -> Tensor | float:
+    """Each row's mass that the sink takes, ``p = exp(sink - shift) / total``, ``(B, H, Q)``
+    float64 (0 without sinks, and for rows that see no key, whose output is 0 regardless)."""
+    if sinks is None:
+        return 0.0
+    logits = sinks.double().view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
+    taken = rows.units.exp_(logits - rows.shift.double()) / rows.total.double()  # (B, H, Q)
+    return taken.masked_fill_(rows.total == 0, 0.0)
+
+
 def sink_gradient(rows: RowStats, sinks: Tensor, delta: Tensor) -> Tensor:
-    """d loss / d sinks ``(H,)``. A sink takes ``p = exp(sink - shift) / total`` of each row's
-    mass and gives no value, so ``d out / d sink = -p * out`` and the gradient is
-    ``-sum p * delta`` over batch and rows, with ``delta = rowsum(grad_out * out)``."""
-    logits = sinks.to(rows.shift.dtype).view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
-    taken = rows.units.exp_(logits - rows.shift) / rows.total  # (B, H, Q)
-    taken = taken.masked_fill_(rows.total == 0, 0.0)  # no keys at all: out is 0 whatever the sink
-    return -(taken * delta).sum(dim=(0, 2))
+    """d loss / d sinks ``(H,)``. A sink takes ``p`` of each row's mass (:func:`sink_share`)
+    and gives no value, so ``d out / d sink = -p * out`` and the gradient is ``-sum p * delta``
+    over batch and rows, with ``delta = rowsum(grad_out * out)``; summed in float64."""
+    return -(sink_share(rows, sinks) * delta.double()).sum(dim=(0, 2))
+
+
+def delta_error(residue: Tensor, delta: Tensor, share: Tensor | float) -> Tensor:
+    """How far the ``delta`` a backward used falls short of each row's true ``sum p * dp``,
+    ``(B, H, Q)`` float64, from the ``residue`` its ``ds`` left (folded, as
+    :func:`attend_backward` fills it): over the keys, ``ds`` sums to the sink's share of the
+    true delta, less what the used one missed."""
+    return unfold_heads(residue) - delta.double() * share
 
 
 def slope_gradient(grad_folded: Tensor, slopes: Tensor) -> Tensor:

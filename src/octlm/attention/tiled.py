@@ -20,9 +20,11 @@ from octlm.attention.blocks import (
     RowStats,
     Rules,
     attend_backward,
+    delta_error,
     forward_rows,
     parse_block,
     sink_gradient,
+    sink_share,
     slope_gradient,
     unfold_heads,
 )
@@ -57,24 +59,34 @@ class _TiledAttention(torch.autograd.Function):
             batch, heads, q_len, _ = query.shape
             kv_heads, k_len = key.shape[1], key.shape[2]
             grad_mask = shift.new_zeros(batch, kv_heads, q_len, heads // kv_heads, k_len)
+        batch, heads, q_len, _ = query.shape
+        kv_heads, group = key.shape[1], heads // key.shape[1]
         grad_alibi = None
         if alibi_slopes is not None and ctx.needs_input_grad[7]:
-            grad_alibi = shift.new_zeros(
-                query.shape[0], key.shape[1], query.shape[1] // key.shape[1]
-            )
+            grad_alibi = shift.new_zeros(batch, kv_heads, group)
+        want_sinks = sinks is not None and ctx.needs_input_grad[8]
+        # What the rounded delta leaves in each row's ds, for the slopes and sinks to correct.
+        residue = spread = None
+        if grad_alibi is not None or want_sinks:
+            residue = shift.new_zeros(batch, kv_heads, q_len, group, dtype=torch.float64)
+        if grad_alibi is not None:
+            spread = torch.zeros_like(residue)
         rows = RowStats(shift, total, ctx.units, ctx.careful)
         grad_query, grad_key, grad_value = attend_backward(
             query, key, value, grad_out, rows, delta, _rules_with(ctx.rules, *tensors),
-            grad_mask=grad_mask, grad_alibi=grad_alibi,
+            grad_mask=grad_mask, grad_alibi=grad_alibi, residue=residue, spread=spread,
         )  # fmt: skip
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
-        if grad_alibi is not None:
+        error = None if residue is None else delta_error(residue, delta, sink_share(rows, sinks))
+        if grad_alibi is not None:  # ds off by -p * error: the slopes' sum, by p * distance
+            missed = error * unfold_heads(spread)  # (B, H, Q)
+            grad_alibi += missed.view(batch, kv_heads, group, q_len).sum(dim=-1)
             grad_alibi = slope_gradient(grad_alibi, alibi_slopes)
         grad_sinks = None
-        if sinks is not None and ctx.needs_input_grad[8]:
-            grad_sinks = sink_gradient(rows, sinks, delta).to(sinks.dtype)
+        if want_sinks:
+            grad_sinks = sink_gradient(rows, sinks, delta.double() + error).to(sinks.dtype)
         return (
             grad_query.to(query.dtype),
             grad_key.to(key.dtype),
