@@ -11,9 +11,13 @@ median of ``--calls`` calls each of:
   single-threaded operations (``octlm.attention.threads.parallel_map``);
 - ``keys``: the same, the keys split in two halves, their partial results merged exactly.
 
-Prints each median and the largest difference from SDPA's output. Run it alone::
+Prints each median and the largest difference from SDPA's output. ``--variants`` picks some:
+the split ones change PyTorch's thread count while they run (``parallel_map`` sets it to 1 and
+back), which slows whatever runs after them, so measure them in a process of their own. Run
+it alone::
 
-    python scripts/decode_split_probe.py --keys 8192
+    python scripts/decode_split_probe.py --keys 8192 --variants sdpa plain
+    python scripts/decode_split_probe.py --keys 8192 --variants heads keys
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=8192)
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument(
+        "--variants", nargs="+", choices=("sdpa", "plain", "heads", "keys"),
+        default=["sdpa", "plain"],
+    )  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     keys = args.keys
@@ -86,6 +94,7 @@ def main() -> None:
         "keys": split_keys,
     }
     reference = calls["sdpa"]()
+    calls = {name: calls[name] for name in args.variants}
     for name, call in calls.items():
         error = (call() - reference).abs().max().item()
         print(f"{name:6s} max |difference| from sdpa {error:.1e}")

@@ -251,8 +251,9 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
             outcome = train(
                 model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
             )
-        except Interrupted as interrupted:  # before the first step: no run was made
-            print(f"octlm train: {interrupted}; nothing to resume", file=sys.stderr)
+        except Interrupted as interrupted:  # before the first step: nothing was trained
+            after = "its checkpoints are as they were" if args.resume else "start it again"
+            print(f"octlm train: {interrupted}; {after}", file=sys.stderr)
             return 128 + interrupted.signum
         if outcome.rank == 0:
             if outcome.val_bits_per_byte is not None:

@@ -93,7 +93,7 @@ class Units:
     unit: float
 
     @staticmethod
-    def choose(dtype: torch.dtype, *offsets: Tensor | None) -> Units:
+    def choose(*offsets: Tensor | None) -> Units:
         largest = 0.0
         for offset in offsets:
             if offset is None or not offset.is_floating_point() or not offset.numel():
@@ -632,7 +632,7 @@ def _forward_pass(
     sinks = rules.sinks
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
-    units = Units.choose(dtype, mask, sinks)
+    units = Units.choose(mask, sinks)
     if 0 in query.shape or 0 in key.shape:  # no rows, or no keys to see: zeros, as naive gives
         nothing = query.new_zeros(query.shape[:-1], dtype=dtype)  # (B, H, Q)
         if sinks is None:
@@ -787,7 +787,7 @@ def attend_backward(
         zeros = (torch.zeros_like(x, dtype=dtype) for x in (query, key, value))
         return tuple(zeros)
     if isinstance(lse, Tensor):  # the log-sum-exp alone: shift by it, total 1
-        units = Units.choose(dtype, mask, rules.sinks)
+        units = Units.choose(mask, rules.sinks)
         seen = lse > NEG_INF
         shift = (lse.to(dtype) * units.unit).masked_fill(~seen, 0.0)
         lse = RowStats(shift, seen.to(dtype), units, careful=not _all_finite(query, key, value))
@@ -843,7 +843,7 @@ def attend_backward(
             if residue is not None:  # (B*Hkv, R*G)
                 row_residue = residue.new_zeros(value.shape[0], len(rows) * walk.group)
             if spread is not None:
-                row_spread = residue.new_zeros(walk.batch, kv_heads, len(rows), walk.group)
+                row_spread = spread.new_zeros(walk.batch, kv_heads, len(rows), walk.group)
             q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
             q_plain = _as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
             shift_row = None if fused else _as_3d(walk.rows(shift, rows)).transpose(1, 2)
@@ -871,9 +871,11 @@ def attend_backward(
                     )
                 if row_residue is not None:
                     row_residue += grad_scores_t.sum(dim=1, dtype=torch.float64)
+                far = None
+                if grad_alibi is not None or row_spread is not None:
+                    far = walk.distance(rows, columns).unsqueeze(1)  # (R, 1, C)
                 if grad_alibi is not None:  # the bias is -slope * distance
                     tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
-                    far = walk.distance(rows, columns).unsqueeze(1)  # (R, 1, C)
                     grad_slopes -= _row_sums(tile, far).sum(dim=2)  # (B, Hkv, G)
                 if row_spread is not None:  # sum of exp(score - shift) * distance
                     weights = walk.unfold_tile(probs_t, rows, columns, transposed=True)
@@ -911,7 +913,7 @@ def attend_backward(
 
 def sink_share(rows: RowStats, sinks: Tensor | None) -> Tensor | float:
     """Each row's mass that the sink takes, ``p = exp(sink - shift) / total``, ``(B, H, Q)``
-    float64 (0 without sinks, and for rows that see no key, whose output is 0 regardless)."""
+    float64 (0 without sinks, and where nothing at all was summed: a -inf sink, no key)."""
     if sinks is None:
         return 0.0
     logits = sinks.double().view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
@@ -929,8 +931,8 @@ def sink_gradient(rows: RowStats, sinks: Tensor, delta: Tensor) -> Tensor:
 def delta_error(residue: Tensor, delta: Tensor, share: Tensor | float) -> Tensor:
     """How far the ``delta`` a backward used falls short of each row's true ``sum p * dp``,
     ``(B, H, Q)`` float64, from the ``residue`` its ``ds`` left (folded, as
-    :func:`attend_backward` fills it): over the keys, ``ds`` sums to the sink's share of the
-    true delta, less what the used one missed."""
+    :func:`attend_backward` fills it). Over the keys, whose probabilities sum to ``1 - share``,
+    ``sum ds = true - used * (1 - share)``, so ``true - used = residue - used * share``."""
     return unfold_heads(residue) - delta.double() * share
 
 

@@ -54,16 +54,14 @@ class _TiledAttention(torch.autograd.Function):
         query, key, value, out, shift, total, *tensors = ctx.saved_tensors
         mask, _, _, _, alibi_slopes, sinks = tensors
         delta = (grad_out.to(shift.dtype) * out.to(shift.dtype)).sum(dim=-1)  # (B, H, Q)
+        batch, heads, q_len, _ = query.shape
+        kv_heads, group, k_len = key.shape[1], heads // key.shape[1], key.shape[2]
         grad_mask = None
         if mask is not None and ctx.needs_input_grad[3]:
-            batch, heads, q_len, _ = query.shape
-            kv_heads, k_len = key.shape[1], key.shape[2]
-            grad_mask = shift.new_zeros(batch, kv_heads, q_len, heads // kv_heads, k_len)
-        batch, heads, q_len, _ = query.shape
-        kv_heads, group = key.shape[1], heads // key.shape[1]
-        grad_alibi = None
+            grad_mask = shift.new_zeros(batch, kv_heads, q_len, group, k_len)
+        grad_alibi = None  # summed in float64, rounded once to the slopes' dtype
         if alibi_slopes is not None and ctx.needs_input_grad[7]:
-            grad_alibi = shift.new_zeros(batch, kv_heads, group)
+            grad_alibi = shift.new_zeros(batch, kv_heads, group, dtype=torch.float64)
         want_sinks = sinks is not None and ctx.needs_input_grad[8]
         # What the rounded delta leaves in each row's ds, for the slopes and sinks to correct.
         residue = spread = None
@@ -80,7 +78,7 @@ class _TiledAttention(torch.autograd.Function):
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
         error = None if residue is None else delta_error(residue, delta, sink_share(rows, sinks))
-        if grad_alibi is not None:  # ds off by -p * error: the slopes' sum, by p * distance
+        if grad_alibi is not None:  # the used ds is the true one plus p * error: take it out
             missed = error * unfold_heads(spread)  # (B, H, Q)
             grad_alibi += missed.view(batch, kv_heads, group, q_len).sum(dim=-1)
             grad_alibi = slope_gradient(grad_alibi, alibi_slopes)

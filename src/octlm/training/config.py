@@ -92,7 +92,7 @@ class RunConfig:
         for name in ("warmup", "seed", "sample_tokens"):
             if not is_int_at_least(getattr(self, name), 0):
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
-        if self.seed >= 2**63:  # torch.manual_seed takes a signed 64-bit seed
+        if self.seed >= 2**63:  # seeds derived from it (seed + rank) must stay in int64
             raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
         if not isinstance(self.prompt, str) or not self.prompt:
             raise ValueError(f"prompt must be a non-empty string, got {self.prompt!r}")

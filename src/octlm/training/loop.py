@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import shutil
 import signal
 import threading
@@ -54,7 +55,8 @@ LN2 = math.log(2)
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM before the first step: nothing was trained, nothing is kept."""
+    """SIGINT or SIGTERM before the first step: nothing was trained. A new run's folder keeps
+    what its preparation wrote until the next start clears it; a resumed run is as it was."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name} before the first step")
@@ -86,7 +88,8 @@ def train(
 
     A new run refuses a non-empty ``out`` unless ``overwrite``; ``resume`` continues from the
     latest checkpoint there. Under torchrun every process calls this; rank 0 writes the files.
-    SIGINT and SIGTERM end the run after the current step, with a checkpoint.
+    SIGINT and SIGTERM end the run after the current step, with a checkpoint; before the
+    first step they raise :class:`Interrupted`, and the next start clears what was prepared.
     """
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
     try:
@@ -132,14 +135,14 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     autocast = torch.autocast(
         cluster.device.type, dtype=DTYPES[run.dtype], enabled=run.dtype != "float32"
     )
+    stop["armed"] = True  # from here a signal ends the run after a step, with a checkpoint
     if cluster.is_main:
         if not resume:  # everything before the first step worked: the folder is now a run
-            (folder / CONFIG_FILE).write_text(
-                json.dumps(to_dict(model_config, run), indent=2) + "\n"
-            )
+            stored = folder / f".{CONFIG_FILE}.tmp"
+            stored.write_text(json.dumps(to_dict(model_config, run), indent=2) + "\n")
+            os.replace(stored, folder / CONFIG_FILE)
             (folder / PREPARING).unlink()
         _announce(summary, model_config, run, cluster, start)
-    stop["armed"] = True  # from here a signal ends the run after a step, with a checkpoint
 
     bar = tqdm(
         total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
@@ -237,8 +240,10 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
     config_path = folder / CONFIG_FILE
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"run folder {str(folder)!r} is a file, not a folder")
-    if not resume and _unfinished(folder):
-        shutil.rmtree(folder)
+    if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
+        shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
+        for name in (CONFIG_FILE, f".{CONFIG_FILE}.tmp", PREPARING):
+            (folder / name).unlink(missing_ok=True)
     if resume:
         if not config_path.is_file():
             raise ValueError(f"--resume: {str(folder)!r} holds no run (no {CONFIG_FILE})")
@@ -276,8 +281,15 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
 
 def _unfinished(folder: Path) -> bool:
     """Whether ``folder`` is a start of octlm's that never reached its first step: marked when
-    it was made (from nothing) and still without ``config.json``."""
-    return (folder / PREPARING).is_file() and not (folder / CONFIG_FILE).exists()
+    it was made (empty) and holding nothing but what that start writes."""
+    if not (folder / PREPARING).is_file():
+        return False
+    own = {PREPARING, CONFIG_FILE, f".{CONFIG_FILE}.tmp", DATA_FOLDER}
+    tokens = folder / DATA_FOLDER
+    return all(entry.name in own for entry in folder.iterdir()) and (
+        not tokens.exists()
+        or (tokens.is_dir() and all(entry.name in data.OWN_FILES for entry in tokens.iterdir()))
+    )
 
 
 def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster) -> int:
@@ -439,7 +451,7 @@ def _announce(
 def _stop_on_signals():
     """``{"signal": name or None, "armed": bool}``. Once ``armed`` (training has begun), SIGINT
     and SIGTERM set ``signal`` and the loop stops after its step; before, they raise
-    :class:`Interrupted`, so preparing the data stops at once and cleans up after itself."""
+    :class:`Interrupted`, so preparing the data stops at once (its half-written files go)."""
     stop = {"signal": None, "armed": False}
     if threading.current_thread() is not threading.main_thread():
         yield stop
