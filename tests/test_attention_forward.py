@@ -171,3 +171,26 @@ def test_rows_that_see_no_key_get_zero_gradient(name):
     for grad in (query.grad, key.grad, value.grad):
         assert not grad.isnan().any()
     assert query.grad[:, :, :10].abs().max() == 0 and query.grad[:, :, 10:].abs().max() > 0
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("options", [{}, {"causal": False}, {"window": 600}], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_row_that_sees_every_key_matches_the_reference(kv_heads, options, dtype):
+    """Decoding a token against every key takes a single softmax, not the block loop: the
+    same numbers, forward and backward, for MHA, GQA and MQA; and a NaN it sees is NaN."""
+    query, key, value = make_qkv(heads=4, kv_heads=kv_heads, q_len=1, k_len=513, dtype=dtype)
+    grad_out = torch.randn(query.shape, dtype=torch.float64)
+    inputs = [x.clone().requires_grad_() for x in (query, key, value)]
+    plain = [x.clone().requires_grad_() for x in (query, key, value)]
+    golden = [x.double().requires_grad_() for x in (query, key, value)]
+    tested, base = tiled_attention(*inputs, **options), naive_attention(*plain, **options)
+    gold = reference(*golden, **options)
+    assert_judged(tested, base, gold)
+    for out in (tested, base, gold):
+        out.backward(grad_out.to(out.dtype))
+    for mine, theirs, gold in zip(inputs, plain, golden, strict=True):
+        assert_judged(mine.grad, theirs.grad, gold.grad, factor=3.0)
+    value[0, :, 200, 3] = float("nan")
+    broken = tiled_attention(query, key, value, **options)
+    assert broken[0, :, :, 3].isnan().all() and not broken[1].isnan().any()

@@ -643,6 +643,8 @@ def _forward_pass(
         shift = logits.masked_fill(logits == NEG_INF, 0.0)
         rows = RowStats(shift, units.exp_(logits - shift), units)
         return query.new_zeros(query.shape, dtype=dtype), rows
+    if not careful and _sees_every_key(query, key, rules):
+        return _one_row_each(query, key, value, scale * units.unit, units)
     float_mask = mask is not None and mask.is_floating_point()
     rows_per_block = min(block[0], query.shape[2]) * (heads // kv_heads)
     # The fused shift costs a copy of the keys with a column of ones: worth it when each key
@@ -722,6 +724,36 @@ def _forward_pass(
         parallel_map(write, blocks, query.device)
     rows = RowStats(unfold_heads(shift), unfold_heads(total), units, careful)
     return unfold_heads(out), rows
+
+
+def _sees_every_key(query: Tensor, key: Tensor, rules: Rules) -> bool:
+    """Whether this is one query row per head (decoding a token) that sees every key: then
+    its attention is a single softmax, whatever the tiles."""
+    if query.shape[2] != 1 or rules.past != key.shape[2] - 1:
+        return False
+    if 0 < rules.window < key.shape[2]:
+        return False
+    structure = (rules.mask, rules.key_lengths, rules.key_starts, rules.documents)
+    modifiers = (rules.softcap, rules.alibi_slopes, rules.sinks, rules.block_mask)
+    return all(x is None for x in (*structure, *modifiers))
+
+
+def _one_row_each(query, key, value, scale: float, units: Units) -> tuple[Tensor, RowStats]:
+    """Decoding one token against every key: one softmax over the keys, its operations issued
+    back to back. The block loop would give the same numbers (its first block sets the shift
+    to the maximum just as here), but on CPU each large operation that follows a pause in
+    Python starts slower, and the loop's bookkeeping is such a pause between every two."""
+    batch, heads, _, head_size = query.shape
+    dtype = accumulation_dtype(query.dtype)
+    rows = (query.to(dtype) * scale).reshape(-1, heads // key.shape[1], head_size)  # (B*Hkv, G, D)
+    keys = _as_3d(_blockwise(key.to(dtype)))  # (B*Hkv, K, D)
+    weights = torch.bmm(rows, keys.transpose(1, 2))  # (B*Hkv, G, K)
+    shift = weights.amax(dim=-1, keepdim=True)  # (B*Hkv, G, 1)
+    units.exp_(weights.sub_(shift))
+    total = weights.sum(dim=-1, keepdim=True)  # (B*Hkv, G, 1)
+    out = torch.bmm(weights, _as_3d(_blockwise(value.to(dtype)))).div_(total)  # (B*Hkv, G, D)
+    stats = RowStats(shift.view(batch, heads, 1), total.view(batch, heads, 1), units)
+    return out.view(batch, heads, 1, head_size), stats
 
 
 def attend_forward(
