@@ -729,9 +729,10 @@ def _forward_pass(
 def _sees_every_key(query: Tensor, key: Tensor, rules: Rules) -> bool:
     """Whether this is one query row per head (decoding a token) that sees every key: then
     its attention is a single softmax, whatever the tiles."""
-    if query.shape[2] != 1 or rules.past != key.shape[2] - 1:
-        return False
-    if 0 < rules.window < key.shape[2]:
+    keys = range(key.shape[2])
+    if query.shape[2] != 1 or not fully_visible(
+        range(1), keys, rules.past, rules.causal, rules.window
+    ):
         return False
     structure = (rules.mask, rules.key_lengths, rules.key_starts, rules.documents)
     modifiers = (rules.softcap, rules.alibi_slopes, rules.sinks, rules.block_mask)
@@ -746,7 +747,7 @@ def _one_row_each(query, key, value, scale: float, units: Units) -> tuple[Tensor
     batch, heads, _, head_size = query.shape
     dtype = accumulation_dtype(query.dtype)
     rows = (query.to(dtype) * scale).reshape(-1, heads // key.shape[1], head_size)  # (B*Hkv, G, D)
-    keys = _as_3d(_blockwise(key.to(dtype)))  # (B*Hkv, K, D)
+    keys = _as_3d(_keys(key, dtype, None))  # (B*Hkv, K, D)
     weights = torch.bmm(rows, keys.transpose(1, 2))  # (B*Hkv, G, K)
     shift = weights.amax(dim=-1, keepdim=True)  # (B*Hkv, G, 1)
     units.exp_(weights.sub_(shift))
@@ -953,11 +954,12 @@ def sink_share(rows: RowStats, sinks: Tensor | None) -> Tensor | float:
     return taken.masked_fill_(rows.total == 0, 0.0)
 
 
-def sink_gradient(rows: RowStats, sinks: Tensor, delta: Tensor) -> Tensor:
-    """d loss / d sinks ``(H,)``. A sink takes ``p`` of each row's mass (:func:`sink_share`)
-    and gives no value, so ``d out / d sink = -p * out`` and the gradient is ``-sum p * delta``
-    over batch and rows, with ``delta = rowsum(grad_out * out)``; summed in float64."""
-    return -(sink_share(rows, sinks) * delta.double()).sum(dim=(0, 2))
+def sink_gradient(share: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sinks ``(H,)``. A sink takes ``share`` of each row's mass
+    (:func:`sink_share`) and gives no value, so ``d out / d sink = -share * out`` and the
+    gradient is ``-sum share * delta`` over batch and rows, with ``delta = rowsum(grad_out *
+    out)``; summed in float64."""
+    return -(share * delta.double()).sum(dim=(0, 2))
 
 
 def delta_error(residue: Tensor, delta: Tensor, share: Tensor | float) -> Tensor:

@@ -77,14 +77,15 @@ class _TiledAttention(torch.autograd.Function):
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
-        error = None if residue is None else delta_error(residue, delta, sink_share(rows, sinks))
+        share = sink_share(rows, sinks)  # (B, H, Q), 0 without sinks
+        error = None if residue is None else delta_error(residue, delta, share)
         if grad_alibi is not None:  # the used ds is the true one plus p * error: take it out
             missed = error * unfold_heads(spread)  # (B, H, Q)
             grad_alibi += missed.view(batch, kv_heads, group, q_len).sum(dim=-1)
             grad_alibi = slope_gradient(grad_alibi, alibi_slopes)
         grad_sinks = None
         if want_sinks:
-            grad_sinks = sink_gradient(rows, sinks, delta.double() + error).to(sinks.dtype)
+            grad_sinks = sink_gradient(share, delta.double() + error).to(sinks.dtype)
         return (
             grad_query.to(query.dtype),
             grad_key.to(key.dtype),

@@ -51,6 +51,8 @@ from octlm.training.sample import generate_text, single_process
 DATA_FOLDER = "data"
 # Marks a run folder that octlm made and has not yet brought to its first step.
 PREPARING = ".octlm-preparing"
+# config.json while it is written (then renamed into place).
+STORING = f".{CONFIG_FILE}.tmp"
 LN2 = math.log(2)
 
 
@@ -138,7 +140,7 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     stop["armed"] = True  # from here a signal ends the run after a step, with a checkpoint
     if cluster.is_main:
         if not resume:  # everything before the first step worked: the folder is now a run
-            stored = folder / f".{CONFIG_FILE}.tmp"
+            stored = folder / STORING
             stored.write_text(json.dumps(to_dict(model_config, run), indent=2) + "\n")
             os.replace(stored, folder / CONFIG_FILE)
             (folder / PREPARING).unlink()
@@ -234,15 +236,15 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
     """Check or create the run folder and write the token files; their summary.
 
     ``config.json``, which makes the folder a run, is written only once everything before the
-    first step has worked (in :func:`_train`): a folder with token files and no configuration is
-    a preparation that did not finish, and the next start clears it.
+    first step has worked (in :func:`_train`). Until then the folder carries ``PREPARING``: a
+    start that did not get that far is cleared by the next one (:func:`_unfinished`).
     """
     config_path = folder / CONFIG_FILE
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"run folder {str(folder)!r} is a file, not a folder")
     if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
         shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
-        for name in (CONFIG_FILE, f".{CONFIG_FILE}.tmp", PREPARING):
+        for name in (CONFIG_FILE, STORING, PREPARING):
             (folder / name).unlink(missing_ok=True)
     if resume:
         if not config_path.is_file():
@@ -284,7 +286,7 @@ def _unfinished(folder: Path) -> bool:
     it was made (empty) and holding nothing but what that start writes."""
     if not (folder / PREPARING).is_file():
         return False
-    own = {PREPARING, CONFIG_FILE, f".{CONFIG_FILE}.tmp", DATA_FOLDER}
+    own = {PREPARING, CONFIG_FILE, STORING, DATA_FOLDER}
     tokens = folder / DATA_FOLDER
     return all(entry.name in own for entry in folder.iterdir()) and (
         not tokens.exists()
