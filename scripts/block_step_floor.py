@@ -14,7 +14,10 @@ round, in an order that rotates from round to round, one forward of each of:
   when a C++ compiler is there (``--no-compile`` skips it).
 
 Prints each per-round time, the median ratio to FLASH with its range, and the machine's fp32
-matmul rate (a 4096² ``torch.mm``) for scale. Run it alone on the machine::
+matmul rate (a 4096² ``torch.mm``) for scale. Then what one tile's operations cost apiece
+(best of 200 calls), set against FLASH's time per tile of work: where the difference goes.
+``--tile`` sets the tile (rows = keys), to see whether a tile that fits in cache helps. Run it
+alone on the machine::
 
     OMP_NUM_THREADS=1 python scripts/block_step_floor.py --rounds 5
 """
@@ -31,22 +34,23 @@ import torch.nn.functional as F
 
 from octlm.attention import tiled_attention
 
-HEADS, HEAD_SIZE, ROWS, KEYS = 8, 32, 256, 256
+HEADS, HEAD_SIZE = 8, 32
 
 
-def bare_forward(query, key, value, step=None):
-    """Causal attention of ``(H, T, D)`` tensors, tile by tile, in as few operations as can be."""
+def bare_forward(query, key, value, step=None, size=256):
+    """Causal attention of ``(H, T, D)`` tensors, tile by tile (``size`` rows and keys, ``T`` a
+    multiple of it), in as few operations as can be."""
     heads, length, head_size = query.shape
     query = query * (head_size**-0.5 * math.log2(math.e))  # scores in base-2 units
     out = torch.empty_like(query)
-    tile = query.new_empty(heads, ROWS, KEYS)
-    rows, columns = torch.arange(ROWS)[:, None], torch.arange(KEYS)[None]
-    diagonal = torch.zeros(ROWS, KEYS).masked_fill_(columns > rows, float("-inf"))
-    for start in range(0, length, ROWS):
-        q_block = query[:, start : start + ROWS]  # (H, R, D)
+    tile = query.new_empty(heads, size, size)
+    rows, columns = torch.arange(size)[:, None], torch.arange(size)[None]
+    diagonal = torch.zeros(size, size).masked_fill_(columns > rows, float("-inf"))
+    for start in range(0, length, size):
+        q_block = query[:, start : start + size]  # (H, R, D)
         acc = total = shift = None
-        for first in range(0, start + ROWS, KEYS):
-            keys = slice(first, first + KEYS)
+        for first in range(0, start + size, size):
+            keys = slice(first, first + size)
             scores = torch.bmm(q_block, key[:, keys].transpose(1, 2), out=tile)  # (H, R, C)
             if first == start:
                 scores.add_(diagonal)
@@ -62,7 +66,7 @@ def bare_forward(query, key, value, step=None):
             else:
                 acc.baddbmm_(weights, value[:, keys])
                 total += row_sum
-        out[:, start : start + ROWS] = acc / total
+        out[:, start : start + size] = acc / total
     return out
 
 
@@ -70,6 +74,37 @@ def fused_step(scores, shift, value, acc, total):
     """One tile's exponential, row sum and output update: what inductor may fuse."""
     weights = torch.exp2(scores - shift)  # (H, R, C)
     return torch.baddbmm(acc, weights, value), total + weights.sum(dim=-1, keepdim=True)
+
+
+def tile_costs(size: int, total: float, tiles: int) -> None:
+    """Print what each operation of one ``(H, size, size)`` tile costs, against FLASH's time
+    per tile of the same work (``total`` seconds over ``tiles`` tiles)."""
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(HEADS, size, HEAD_SIZE) for _ in range(3))
+    scores = torch.empty(HEADS, size, size)
+    weights = torch.rand(HEADS, size, size) * -20  # typical scores below the shift, base 2
+    acc = torch.zeros(HEADS, size, HEAD_SIZE)
+    row_sum = torch.empty(HEADS, size, 1)
+    copy = min(seconds(lambda: scores.copy_(weights)) for _ in range(200))
+    costs = {
+        "score matmul (bmm)": min(
+            seconds(lambda: torch.bmm(query, key.transpose(1, 2), out=scores)) for _ in range(200)
+        ),
+        "exp2 in place": min(seconds(lambda: scores.copy_(weights).exp2_()) for _ in range(200))
+        - copy,
+        "row sum": min(
+            seconds(lambda: torch.sum(weights, -1, keepdim=True, out=row_sum)) for _ in range(200)
+        ),
+        "output matmul (baddbmm)": min(
+            seconds(lambda: acc.baddbmm_(weights, value)) for _ in range(200)
+        ),
+    }
+    whole = sum(costs.values())
+    print(f"\none {HEADS} x {size} x {size} tile, best of 200 calls each:")
+    for name, cost in costs.items():
+        print(f"  {name:24s} {cost * 1e6:7.1f} µs  {cost / whole:4.0%}")
+    print(f"  {'sum of the four':24s} {whole * 1e6:7.1f} µs")
+    print(f"  FLASH's median time per tile of work ({tiles} tiles): {total / tiles * 1e6:.1f} µs")
 
 
 def seconds(call) -> float:
@@ -83,7 +118,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--tile", type=int, default=256, help="rows and keys per tile")
     args = parser.parse_args()
+    if args.length % args.tile:
+        parser.error(f"--length must be a multiple of --tile, got {args.length} and {args.tile}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     query, key, value = (torch.randn(1, HEADS, args.length, HEAD_SIZE) for _ in range(3))
@@ -91,12 +129,12 @@ def main() -> None:
     calls = {
         "flash": lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True),
         "tiled": lambda: tiled_attention(query, key, value, causal=True),
-        "bare": lambda: bare_forward(*flat),
+        "bare": lambda: bare_forward(*flat, size=args.tile),
     }
     reference = calls["flash"]()[0]
     if not args.no_compile:
         step = torch.compile(fused_step, dynamic=False, fullgraph=True)
-        calls["compiled"] = lambda: bare_forward(*flat, step=step)
+        calls["compiled"] = lambda: bare_forward(*flat, step=step, size=args.tile)
     for name, call in calls.items():  # warm-up, compile, and a check that each is attention
         error = (call()[0] if name != "bare" and name != "compiled" else call()) - reference
         print(f"{name:9s} max |difference| from flash {error.abs().max().item():.1e}", flush=True)
@@ -119,6 +157,8 @@ def main() -> None:
             f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}); "
             f"{flops / best / 1e9 / peak:.0%} of the matmul rate at its fastest"
         )
+    tiles = args.length * (args.length + 1) / 2 / args.tile**2  # the causal work, in tiles
+    tile_costs(args.tile, statistics.median(times["flash"]), round(tiles))
 
 
 if __name__ == "__main__":
