@@ -233,3 +233,14 @@ def test_softcap_with_no_keys_keeps_the_querys_gradient(name):
     out = SINGLE_PROCESS[name](query, key[:, :, :0], value[:, :, :0], softcap=5.0)
     out.sum().backward()
     assert query.grad is not None and not query.grad.any()
+
+
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+def test_low_precision_slopes_form_the_bias_in_the_scores_dtype(name):
+    """Slopes in float16 with float32 inputs: each ``slope * distance`` is formed in float32, as
+    the scores are, not rounded to float16 first (naive was 5e-4 off at 64 tokens)."""
+    query, key, value = make_qkv(batch=1, heads=HEADS, kv_heads=HEADS, q_len=64, head_size=8)
+    half = (torch.rand(HEADS, generator=torch.Generator().manual_seed(0)) * 0.9 + 0.1).half()
+    tested = SINGLE_PROCESS[name](query, key, value, alibi_slopes=half)
+    golden = reference(query, key, value, alibi_slopes=half.double())
+    assert (tested.double() - golden).abs().max() < 1e-5

@@ -138,3 +138,37 @@ def test_non_contiguous_inputs_as_a_model_passes_them():
     assert not key.is_contiguous()
     check_gradients(query, key, value, block=16)
     check_gradients(query, key, value, block=(16, 8), causal=False)
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 1, 9), (1, 1, 9, 1)])
+def test_the_backward_recomputes_scores_with_a_broadcast_mask_to_the_last_bit(mask_shape):
+    """Each row sees one key (window 1), so its probability is exactly 1 and dv is exactly the
+    output gradient, if the backward's transposed tile recomputes the forward's scores bit for
+    bit. A broadcast float mask of about 50 once took a fused multiply-add in one layout and
+    not in the other: dv came out 8e-6 off."""
+    query, key, value = make_qkv(batch=1, heads=1, kv_heads=1, q_len=9, head_size=4)
+    mask = 50.0 + torch.randn(mask_shape, generator=torch.Generator().manual_seed(1))
+    grad_out = torch.randn(query.shape, dtype=torch.float64)
+    for block in [(9, 9), (4, 3)]:
+        _, _, grad_value = gradients(
+            lambda *a, block=block, **o: tiled_attention(*a, block=block, **o), (query, key, value),
+            grad_out, mask=mask, window=1,
+        )  # fmt: skip
+        assert torch.equal(grad_value, grad_out.float())
+
+
+@pytest.mark.parametrize("block", [(8, 4), (4, 8), (16, 16)])
+def test_autocast_leaves_the_blocks_in_full_precision(block):
+    """Under CPU autocast the block steps run as without it (they pick their own precision);
+    with several key blocks per row, the first block's bfloat16 product once made the next
+    in-place one fail to mix dtypes."""
+    query, key, value = make_qkv(q_len=16, head_size=16)
+    grad_out = torch.randn(query.shape, dtype=torch.float64)
+    plain = gradients(lambda *a: tiled_attention(*a, block=block), (query, key, value), grad_out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tiled_attention(query, key, value, block=block)
+        cast = gradients(lambda *a: tiled_attention(*a, block=block), (query, key, value), grad_out)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, tiled_attention(query, key, value, block=block))
+    for name, a, b in zip("qkv", cast, plain, strict=True):
+        assert torch.equal(a, b), name

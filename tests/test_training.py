@@ -219,6 +219,15 @@ def test_every_config_field_has_a_flag():
             assert "--" + field.name.replace("_", "-") in flags
 
 
+def test_switches_turn_either_way():
+    """``--no-fsdp`` and the like: a resumed run may turn off what it was started with."""
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    args = parser.parse_args(["--no-fsdp", "--context-parallel", "--no-compile"])
+    _model, run = config.explicit_values(args)
+    assert run == {"fsdp": False, "context_parallel": True, "compile": False}
+
+
 def test_flags_override_file_which_overrides_preset(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[model]\nwidth = 64\nn_heads = 4\n[run]\nsteps = 7\nlength = 32\n")
@@ -252,6 +261,7 @@ def test_parameter_count_is_the_models():
         ({}, {"prompt": 5}, "prompt must be a non-empty string, got 5"),
         ({}, {"seed": 10**20}, "seed must be below 2**63"),
         ({}, {"device": "foo"}, "device must be 'cpu', 'cuda' or 'cuda:<index>', got 'foo'"),
+        ({"max_length": 1}, {"length": 1}, "sample_tokens (96) needs max_length >= 2"),
     ],
 )
 def test_bad_configuration_raises(model, run, message):
@@ -394,6 +404,7 @@ def test_bfloat16_autocast_trains_close_to_float32(corpus, tmp_path):
         ("too-short", "too few for one sequence"),
         ("float16-on-cpu", "float16 needs CUDA"),
         ("batch-split", "multiple of data-parallel ranks x accumulate"),
+        ("triton-on-cpu", "kernel 'triton' runs on CUDA only"),
     ],
 )
 def test_bad_data_and_runs_raise(tmp_path, case, message):
@@ -413,10 +424,15 @@ def test_bad_data_and_runs_raise(tmp_path, case, message):
         write_corpus(corpus, documents=12, size=3)
     else:
         write_corpus(corpus)
-        run |= {"dtype": "float16"} if case == "float16-on-cpu" else {"accumulate": 3}
+        run |= {"float16-on-cpu": {"dtype": "float16"}, "batch-split": {"accumulate": 3}}.get(
+            case, {}
+        )
     model_config, run_config = configs(corpus, **run)
+    if case == "triton-on-cpu":
+        model_config = replace(model_config, attention="tiled", kernel="triton")
     with pytest.raises(ValueError, match=message):
         train(model_config, run_config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / config.CONFIG_FILE).exists()  # no run that cannot resume
 
 
 def test_a_failed_start_leaves_a_folder_the_next_start_can_use(corpus, tmp_path):
@@ -537,6 +553,54 @@ def test_resume_with_another_configuration_raises_and_keeps_checkpoints(corpus, 
     assert file_hashes(tmp_path / "run") == before
 
 
+def test_resume_keeps_its_new_steps_and_refuses_to_do_nothing(corpus, tmp_path):
+    """A run resumed with more steps writes them to config.json, so a plain --resume after an
+    interruption goes on to them; --steps at or below the run's step is refused."""
+    model_config, run = configs(corpus, steps=2)
+    folder = tmp_path / "run"
+    train(model_config, run, folder, progress=False)
+    with pytest.raises(ValueError, match="at step 2 already and --steps is 2"):
+        train(model_config, run, folder, resume=True, progress=False)
+    train(model_config, replace(run, steps=4), folder, resume=True, progress=False)
+    assert json.loads((folder / config.CONFIG_FILE).read_text())["run"]["steps"] == 4
+    model_config, run = resolve(resume=folder)
+    assert run.steps == 4
+
+
+def test_checkpoints_load_under_another_attention(corpus, tmp_path):
+    """Attention, tiles and kernel say how attention is computed, not what the model is: a run
+    resumes, and its checkpoints load, under any of them; the width still may not change."""
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    other = replace(model_config, attention="tiled", block=(8, 4), kernel="pytorch")
+    checkpoint.load(checkpoint.latest(tmp_path / "run"), other)
+    outcome = train(other, replace(run, steps=3), tmp_path / "run", resume=True, progress=False)
+    assert outcome.step == 3
+    with pytest.raises(ValueError, match="n_layers 1 \\(expected 2\\)"):
+        checkpoint.load(checkpoint.latest(tmp_path / "run"), replace(other, n_layers=2))
+
+
+def test_overwrite_clears_only_what_octlm_wrote(corpus, tmp_path):
+    """A folder with a config.json that is not a run's (a Hugging Face model folder), or a run
+    folder holding files octlm did not write, is refused by --overwrite and left whole."""
+    model_config, run = configs(corpus, steps=1)
+    theirs = tmp_path / "hf-model"
+    (theirs / "sub").mkdir(parents=True)
+    (theirs / "config.json").write_text('{"model_type": "llama"}')
+    (theirs / "sub" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"has no octlm config\.json"):
+        train(model_config, run, theirs, overwrite=True, progress=False)
+    folder = tmp_path / "run"
+    train(model_config, run, folder, progress=False)
+    (folder / "analysis.ipynb").write_text("mine")
+    (folder / data.SUMMARY).touch()  # a name of the data folder's, in the wrong place
+    with pytest.raises(ValueError, match=r"also holds analysis\.ipynb, data\.json: move them"):
+        train(model_config, run, folder, overwrite=True, progress=False)
+    assert (folder / "analysis.ipynb").read_text() == "mine"
+    assert (theirs / "sub" / "notes.txt").read_text() == "mine"
+    assert checkpoint.latest(folder) is not None
+
+
 def test_checkpoint_of_another_model_raises(corpus, tmp_path):
     model_config, run = configs(corpus, steps=2)
     train(model_config, run, tmp_path / "run", progress=False)
@@ -544,15 +608,36 @@ def test_checkpoint_of_another_model_raises(corpus, tmp_path):
         checkpoint.load(checkpoint.latest(tmp_path / "run"), replace(model_config, n_layers=2))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_corrupted_checkpoint_raises_and_is_left_alone(corpus, tmp_path, damage):
+def flip_a_weight_bit(path: Path) -> bytes:
+    """The checkpoint's bytes with one bit of its first weight flipped: still a valid file."""
+    content = path.read_bytes()
+    state = torch.load(path, weights_only=True)["model"]
+    weight = next(value for value in state.values() if isinstance(value, torch.Tensor))
+    at = content.index(weight.numpy().tobytes()[:64]) + 3
+    return content[:at] + bytes([content[at] ^ 0x40]) + content[at + 1 :]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncated", "corrupted or not an octlm checkpoint"),
+        ("garbage", "corrupted or not an octlm checkpoint"),
+        ("flipped bit", "corrupted: its checksum does not match"),
+    ],
+)
+def test_corrupted_checkpoint_raises_and_is_left_alone(corpus, tmp_path, damage, message):
     model_config, run = configs(corpus, steps=2)
     train(model_config, run, tmp_path / "run", progress=False)
     latest = checkpoint.latest(tmp_path / "run")
     content = latest.read_bytes()
-    latest.write_bytes(content[: len(content) // 2] if damage == "truncated" else b"\x00" * 64)
+    damaged = {
+        "truncated": lambda: content[: len(content) // 2],
+        "garbage": lambda: b"\x00" * 64,
+        "flipped bit": lambda: flip_a_weight_bit(latest),
+    }[damage]()
+    latest.write_bytes(damaged)
     before = file_hashes(tmp_path / "run")
-    with pytest.raises(ValueError, match="corrupted or not an octlm checkpoint"):
+    with pytest.raises(ValueError, match=message):
         train(model_config, replace(run, steps=4), tmp_path / "run", resume=True, progress=False)
     with pytest.raises(ValueError, match="corrupted"):
         load_run(tmp_path / "run")
@@ -666,6 +751,16 @@ def test_command_line_trains_refuses_resumes_and_samples(corpus, tmp_path, capsy
     assert main(["sample", str(folder), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def ") and "step 3" in err
+
+
+def test_text_generation_needs_two_positions():
+    """With max_length 1 there is no room for a byte of context and the next one: a clear
+    error, where the window loop once spun forever; with 2 it makes progress a byte at a time."""
+    small = ModelConfig(width=16, n_layers=1, n_heads=2, max_length=1)
+    with pytest.raises(ValueError, match="needs max_length >= 2"):
+        generate_text(OctLM(small), "x", 3)
+    assert generate_text(OctLM(small), "x", 0) == "x"
+    assert len(generate_text(OctLM(replace(small, max_length=2)), "x", 5).encode()) >= 6
 
 
 def test_sample_is_the_models_own_decoding(corpus, tmp_path):

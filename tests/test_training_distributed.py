@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,20 @@ def test_checkpoint_of_every_mode_loads_in_one_process(runs, mode):
     assert model.config.attention != "ring"  # ring attention's one-process twin
     logits = model(torch.zeros(1, 8, dtype=torch.int64))  # (1, 8, V)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_resumes_in_one_process(runs, tmp_path, mode):
+    """A run of any mode goes on in one process: ``--no-fsdp`` or ``--no-context-parallel``
+    (with another attention, since ring attention needs the ranks), for two more steps."""
+    folder = tmp_path / mode
+    shutil.copytree(runs / mode, folder)
+    options, reference_model = MODES[mode]
+    switched = {name: False for name in ("fsdp", "context_parallel") if name in options}
+    model_config, run = resolve(model=reference_model, run={"steps": 6, **switched}, resume=folder)
+    outcome = train(model_config, run, folder, resume=True, progress=False)
+    assert outcome.step == 6
+    stored = json.loads((folder / "config.json").read_text())
+    assert stored["run"]["steps"] == 6  # the next --resume goes on from here
+    assert all(stored["run"][name] is False for name in switched)
+    assert sorted(losses(folder)) == [1, 2, 3, 4, 5, 6]

@@ -33,6 +33,12 @@ def is_int_at_least(value, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+# ModelConfig fields that say how attention is computed, not what the model computes: every
+# implementation, tile and kernel gives the same function of the same weights, so a checkpoint
+# loads, and a run resumes, under any of their values.
+INTERCHANGEABLE = frozenset({"attention", "block", "kernel"})
+
+
 @dataclass
 class ModelConfig:
     """Sizes and the attention implementation; checked on construction.
@@ -597,18 +603,33 @@ def saved_config(state: object) -> ModelConfig:
 
 
 def checksum(state: dict) -> str:
-    """SHA-256 over every entry of a state dict: names, dtypes, shapes and bytes."""
+    """SHA-256 over every entry of a state dict: names, dtypes, shapes and bytes. Nested dicts,
+    lists and tuples (an optimizer's or a training checkpoint's state) are walked through."""
     digest = hashlib.sha256()
-    for name in sorted(state):
-        value = state[name]
-        digest.update(name.encode())
-        if isinstance(value, Tensor):
-            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            flat = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # raw bytes
-            digest.update(flat.numpy())
-        else:
-            digest.update(repr(value).encode())
+    _digest_entries(digest, state)
     return digest.hexdigest()
+
+
+def _digest_entries(digest, state: dict) -> None:
+    for name in sorted(state, key=str):
+        digest.update(str(name).encode())
+        _digest_value(digest, state[name])
+
+
+def _digest_value(digest, value) -> None:
+    if isinstance(value, Tensor):
+        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        flat = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # raw bytes
+        digest.update(flat.numpy())
+    elif isinstance(value, dict):
+        digest.update(f"{{{len(value)}".encode())
+        _digest_entries(digest, value)
+    elif isinstance(value, list | tuple):
+        digest.update(f"[{len(value)}".encode())
+        for item in value:
+            _digest_value(digest, item)
+    else:
+        digest.update(repr(value).encode())
 
 
 def sample(

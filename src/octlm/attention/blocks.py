@@ -21,8 +21,10 @@ costs one matmul per block with no copy of key or value. ``G = heads // kv_heads
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -375,7 +377,11 @@ class BlockWalk:
             if part.dtype == torch.bool:
                 tile.masked_fill_(~part, NEG_INF)
             else:
-                tile.add_(part.to(tile.dtype), alpha=self.units.unit)
+                # Scaled first, then added: ``add_(alpha=)`` fuses the product into the sum
+                # in one layout and not in the other, and the backward's transposed tile must
+                # recompute the forward's scores to the last bit.
+                part = part.to(tile.dtype)
+                tile.add_(part if self.units.unit == 1.0 else part * self.units.unit)
                 if self.careful:  # NaN + -inf is NaN: hide what the mask hides
                     tile.masked_fill_(part == NEG_INF, NEG_INF)
         if not whole:
@@ -605,6 +611,22 @@ class Rules:
     block_mask: BlockMask | None = None
 
 
+def _without_autocast(steps: Callable) -> Callable:
+    """Run the block steps with autocast off on the query's device. They choose their own
+    precision (every block in float32 or float64); under autocast the first block's matmul would
+    come back in bfloat16 and the in-place ones that follow refuse to mix the two."""
+
+    @functools.wraps(steps)
+    def run(query: Tensor, *args, **kwargs):
+        if not torch.is_autocast_enabled(query.device.type):
+            return steps(query, *args, **kwargs)
+        with torch.autocast(query.device.type, enabled=False):
+            return steps(query, *args, **kwargs)
+
+    return run
+
+
+@_without_autocast
 def forward_rows(
     query: Tensor, key: Tensor, value: Tensor, rules: Rules
 ) -> tuple[Tensor, RowStats]:
@@ -777,6 +799,7 @@ def attend_forward(
     return out, rows.lse()
 
 
+@_without_autocast
 def attend_backward(
     query: Tensor,
     key: Tensor,

@@ -2,9 +2,11 @@
 
 A checkpoint is one ``torch.save`` file, ``checkpoint-STEP.pt`` in the run folder, holding the
 full (unsharded) model and optimizer state keyed by parameter name, so a checkpoint of one
-process, of DDP or of FSDP loads the same way, in one process or many. It is first written to
-a temporary file, flushed to disk (fsync), then renamed over its final name: a crash leaves
-either the old set of checkpoints or the new one, never a torn file under a checkpoint's name.
+process, of DDP or of FSDP loads the same way, in one process or many. It carries a SHA-256 of
+everything in it, checked when it is read: a flipped bit is refused, not trained on. It is
+first written to a temporary file, flushed to disk (fsync), then renamed over its final name: a
+crash leaves either the old set of checkpoints or the new one, never a torn file under a
+checkpoint's name.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from octlm.model import ModelConfig
+from octlm.model import INTERCHANGEABLE, ModelConfig, checksum
 
 FORMAT = "octlm-train-1"
 PATTERN = re.compile(r"checkpoint-(\d+)\.pt")
+TEMPORARY = re.compile(r"\.checkpoint-(\d+)\.pt\.tmp")
 
 
 def path_for(folder: str | os.PathLike, step: int) -> Path:
@@ -32,6 +35,11 @@ def listed(folder: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: int(PATTERN.fullmatch(p.name).group(1)))
 
 
+def is_own(name: str) -> bool:
+    """Whether a file name is one :func:`save` writes: a checkpoint or its temporary file."""
+    return bool(PATTERN.fullmatch(name) or TEMPORARY.fullmatch(name))
+
+
 def latest(folder: str | os.PathLike) -> Path | None:
     found = listed(folder)
     return found[-1] if found else None
@@ -42,7 +50,8 @@ def save(folder: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
     final = path_for(folder, step)
     temporary = final.with_name(f".{final.name}.tmp")
     with temporary.open("wb") as out:
-        torch.save({"format": FORMAT, "step": step, **state}, out)
+        contents = {"format": FORMAT, "step": step, **state}
+        torch.save({**contents, "sha256": checksum(contents)}, out)
         out.flush()
         os.fsync(out.fileno())
     os.replace(temporary, final)
@@ -69,12 +78,18 @@ def load(path: str | os.PathLike, model_config: ModelConfig) -> dict:
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"checkpoint {str(path)!r} is not an {FORMAT} checkpoint")
+    digest = state.pop("sha256", None)  # None: written before checkpoints carried one
+    if digest is not None and checksum(state) != digest:
+        raise ValueError(
+            f"checkpoint {str(path)!r} is corrupted: its checksum does not match; an earlier "
+            "checkpoint in the folder may still load"
+        )
     expected = asdict(model_config)
     stored = state["model_config"]
     differences = [
         f"{name} {stored.get(name)!r} (expected {value!r})"
         for name, value in expected.items()
-        if _normal(stored.get(name)) != _normal(value)
+        if name not in INTERCHANGEABLE and _normal(stored.get(name)) != _normal(value)
     ]
     if differences:
         raise ValueError(

@@ -19,7 +19,7 @@ import torch
 
 from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
-from octlm.model import ModelConfig, OctLM, is_int_at_least
+from octlm.model import INTERCHANGEABLE, ModelConfig, OctLM, is_int_at_least
 from octlm.training.data import VOCAB
 
 PRESETS: dict[str, dict] = {
@@ -31,15 +31,25 @@ DEFAULT_PRESET = "tiny"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_FILE = "config.json"
 # Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
+# Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
+# checkpoint is a full state dict, and the model's attention may change with it
+# (``INTERCHANGEABLE``).
 RESUMABLE = frozenset(
-    {"steps", "device", "compile", "checkpoint_activations", "fsdp", "eval_every"}
+    {"steps", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
+    | {"fsdp", "context_parallel"}
 )
 
 
 def _option(default, help: str, **flag):
     """A RunConfig field with its command-line help (and argparse extras)."""
     return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
+def _switch(help: str):
+    """A RunConfig field that is off unless asked for: ``--name`` and ``--no-name`` (a resumed
+    run may turn it either way)."""
+    return _option(False, help, action=argparse.BooleanOptionalAction)
 
 
 @dataclass
@@ -49,11 +59,9 @@ class RunConfig:
     data: str | None = _option(None, "a text file or folder (default: this Python's stdlib)")
     glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
     val_share: float = _option(0.1, "share of documents held out for validation")
-    pack: bool = _option(
-        False,
+    pack: bool = _switch(
         "fill each row with whole documents that attend only within themselves (documents "
-        "longer than a row are cut into row-sized pieces; the rest of a row is padding)",
-        action="store_true",
+        "longer than a row are cut into row-sized pieces; the rest of a row is padding)"
     )
     steps: int = _option(1000, "optimizer steps")
     batch: int = _option(16, "sequences per optimizer step, over all ranks and --accumulate")
@@ -67,10 +75,8 @@ class RunConfig:
     seed: int = _option(0, "RNG seed of the weights, batches and dropout")
     dtype: str = _option("float32", "float32, bfloat16 (autocast) or float16 (autocast, CUDA)")
     device: str | None = _option(None, "cpu or cuda (default: cuda when there is one)")
-    compile: bool = _option(False, "torch.compile the model", action="store_true")
-    checkpoint_activations: bool = _option(
-        False, "recompute each block in backward (less memory)", action="store_true"
-    )
+    compile: bool = _switch("torch.compile the model")
+    checkpoint_activations: bool = _switch("recompute each block in backward (less memory)")
     eval_every: int = _option(250, "steps between evaluations (and at the end)")
     eval_batches: int = _option(16, "fixed validation batches per evaluation")
     checkpoint_every: int = _option(250, "steps between checkpoints (and at the end)")
@@ -78,10 +84,8 @@ class RunConfig:
     log_every: int = _option(10, "steps between metrics.jsonl records")
     prompt: str = _option("def ", "prompt of the sample printed at each evaluation")
     sample_tokens: int = _option(96, "bytes sampled at each evaluation")
-    fsdp: bool = _option(False, "shard parameters with FSDP2 (under torchrun)", action="store_true")
-    context_parallel: bool = _option(
-        False, "split each sequence across ranks with ring attention", action="store_true"
-    )
+    fsdp: bool = _switch("shard parameters with FSDP2 (under torchrun)")
+    context_parallel: bool = _switch("split each sequence across ranks with ring attention")
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch", "length", "accumulate", "eval_every", "eval_batches")
@@ -223,6 +227,11 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
         raise ValueError(f"byte tokens need vocab_size >= {VOCAB}, got {model.vocab_size}")
     if run.length > model.max_length:
         raise ValueError(f"length ({run.length}) exceeds max_length ({model.max_length})")
+    if run.sample_tokens and model.max_length < 2:
+        raise ValueError(
+            f"sample_tokens ({run.sample_tokens}) needs max_length >= 2 to generate, got "
+            f"{model.max_length}: raise max_length or set sample_tokens to 0"
+        )
     if run.pack and model.attention not in taking("document_ids"):
         raise ValueError(
             f"--pack needs attention that takes document_ids {taking('document_ids')}, got "
@@ -230,7 +239,10 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
             + (" (--context-parallel runs ring attention)" if run.context_parallel else "")
         )
     if model.attention == "ring" and not run.context_parallel:
-        raise ValueError("attention 'ring' runs only with --context-parallel under torchrun")
+        raise ValueError(
+            "attention 'ring' runs only with --context-parallel under torchrun; a context-"
+            "parallel run goes on without it given another --attention (e.g. tiled)"
+        )
 
 
 def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
@@ -244,7 +256,7 @@ def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
         f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")
         for name, value in resolved[table].items()
-        if not (table == "run" and name in RESUMABLE)
+        if name not in (RESUMABLE if table == "run" else INTERCHANGEABLE)
         and value != (was := stored[table].get(name, defaults[table][name]))
     ]
     if differences:

@@ -44,7 +44,7 @@ from octlm.training.config import (
     to_dict,
 )
 from octlm.training.distributed import Cluster
-from octlm.training.metrics import Metrics, peak_memory, plot
+from octlm.training.metrics import METRICS, PICTURE, Metrics, peak_memory, plot
 from octlm.training.optim import make_optimizer, make_scheduler
 from octlm.training.sample import generate_text, single_process
 
@@ -130,6 +130,11 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     start = 0
     if resume:
         start = _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster)
+        if start >= run.steps:
+            raise ValueError(
+                f"--resume: the run in {str(folder)!r} is at step {start} already and --steps is "
+                f"{run.steps}: pass a larger --steps to train it further"
+            )
         metrics.forget_after(start)
     model = distributed.wrap(raw, cluster)
     if run.compile:
@@ -139,11 +144,12 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     )
     stop["armed"] = True  # from here a signal ends the run after a step, with a checkpoint
     if cluster.is_main:
-        if not resume:  # everything before the first step worked: the folder is now a run
-            stored = folder / STORING
-            stored.write_text(json.dumps(to_dict(model_config, run), indent=2) + "\n")
-            os.replace(stored, folder / CONFIG_FILE)
-            (folder / PREPARING).unlink()
+        # Everything before the first step worked: the folder is now a run, or a resumed run
+        # keeps what its flags changed (more steps, another device) for the next --resume.
+        stored = folder / STORING
+        stored.write_text(json.dumps(to_dict(model_config, run), indent=2) + "\n")
+        os.replace(stored, folder / CONFIG_FILE)
+        (folder / PREPARING).unlink(missing_ok=True)
         _announce(summary, model_config, run, cluster, start)
 
     bar = tqdm(
@@ -201,6 +207,15 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
 
 def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> None:
     """Raise ValueError (on every rank alike) for a run these processes cannot do."""
+    if (
+        model_config.attention == "tiled"
+        and model_config.kernel == "triton"
+        and cluster.device.type != "cuda"
+    ):
+        raise ValueError(
+            f"kernel 'triton' runs on CUDA only, and this run is on {cluster.device.type}; "
+            "use kernel 'auto' or 'pytorch'"
+        )
     if run.dtype == "float16" and cluster.device.type != "cuda":
         raise ValueError(
             "dtype float16 needs CUDA (its gradient scaler is CUDA's); use bfloat16 on CPU"
@@ -251,17 +266,17 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
             raise ValueError(f"--resume: {str(folder)!r} holds no run (no {CONFIG_FILE})")
         check_resumable(read_file(config_path), model_config, run)
         if checkpoint.latest(folder) is None:
-            raise ValueError(f"--resume: {str(folder)!r} has no checkpoint to resume from")
+            raise ValueError(
+                f"--resume: {str(folder)!r} has no checkpoint to resume from (the run stopped "
+                "before its first one): start it again with --overwrite"
+            )
     elif folder.exists() and any(folder.iterdir()):
         if not overwrite:
             raise ValueError(
                 f"run folder {str(folder)!r} is not empty: pass --resume to continue its run "
                 "or --overwrite to start it again"
             )
-        if not config_path.is_file():
-            raise ValueError(
-                f"--overwrite clears only run folders, and {str(folder)!r} has no {CONFIG_FILE}"
-            )
+        _check_overwritable(folder)
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not resume:  # this folder is empty and ours: marked, so a failed start can be cleared
@@ -286,12 +301,49 @@ def _unfinished(folder: Path) -> bool:
     it was made (empty) and holding nothing but what that start writes."""
     if not (folder / PREPARING).is_file():
         return False
-    own = {PREPARING, CONFIG_FILE, STORING, DATA_FOLDER}
-    tokens = folder / DATA_FOLDER
-    return all(entry.name in own for entry in folder.iterdir()) and (
-        not tokens.exists()
-        or (tokens.is_dir() and all(entry.name in data.OWN_FILES for entry in tokens.iterdir()))
-    )
+    return not _foreign_entries(folder, {PREPARING, CONFIG_FILE, STORING, DATA_FOLDER})
+
+
+def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> list[str]:
+    """What in ``folder`` octlm did not write: entries not named in ``own`` (nor checkpoints,
+    with ``checkpoints``), files of the data folder that are not token files, and a data
+    "folder" that is a file."""
+    found = []
+    for entry in folder.iterdir():
+        if entry.name == DATA_FOLDER:
+            if not entry.is_dir():  # a file where the token files go
+                found.append(entry.name)
+                continue
+            inside = (e.name for e in entry.iterdir() if e.name not in data.OWN_FILES)
+            found += [f"{DATA_FOLDER}/{name}" for name in inside]
+        elif entry.name not in own and not (checkpoints and checkpoint.is_own(entry.name)):
+            found.append(entry.name)
+    return sorted(found)
+
+
+# Everything a run writes in its folder, checkpoints aside.
+RUN_ENTRIES = {CONFIG_FILE, STORING, PREPARING, DATA_FOLDER, METRICS, f".{METRICS}.tmp", PICTURE}
+
+
+def _check_overwritable(folder: Path) -> None:
+    """Raise ValueError unless ``folder`` is a run of octlm's holding nothing else, so that
+    ``--overwrite`` may delete it whole."""
+    try:
+        stored = read_file(folder / CONFIG_FILE)
+    except ValueError:
+        stored = {}
+    if set(stored) != {"model", "run"}:
+        raise ValueError(
+            f"--overwrite clears only run folders, and {str(folder)!r} has no octlm {CONFIG_FILE}"
+        )
+    foreign = _foreign_entries(folder, RUN_ENTRIES, checkpoints=True)
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise ValueError(
+            f"--overwrite clears only what octlm wrote, and {str(folder)!r} also holds "
+            f"{', '.join(foreign[:5])}{more}: "
+            "move them out or choose another --out"
+        )
 
 
 def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster) -> int:

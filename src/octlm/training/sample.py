@@ -39,6 +39,11 @@ def generate_text(
         raise ValueError("prompt must be a non-empty string")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if max_new_tokens and model.config.max_length < 2:
+        raise ValueError(
+            "generating text needs max_length >= 2 (a byte of context and the next one), got "
+            f"{model.config.max_length}"
+        )
     device = next(model.parameters()).device
     limit = model.config.max_length
     tokens = torch.tensor([list(prompt.encode())], device=device)  # (1, P)
