@@ -479,3 +479,17 @@ def test_training_is_reproducible_and_the_same_for_every_implementation():
     assert train(replace(SMALL, n_kv_heads=2, attention="naive"), steps=20) == curves["naive"]
     for name in IMPLEMENTATIONS[1:]:
         assert curves[name] == pytest.approx(curves["naive"], rel=1e-4), name
+
+
+def test_a_model_file_of_the_first_format_still_loads():
+    """tests/fixtures/model-format-1.pt was saved by octlm before training checkpoints had
+    their own checksum: its flat checksum still matches, and it holds the seed-0 model."""
+    from pathlib import Path
+
+    path = Path(__file__).parent / "fixtures" / "model-format-1.pt"
+    loaded = OctLM.load(path)
+    torch.manual_seed(0)
+    made = OctLM(ModelConfig(width=16, n_layers=1, n_heads=2, max_length=32))
+    assert loaded.config == made.config
+    for (name, a), b in zip(loaded.state_dict().items(), made.state_dict().values(), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name

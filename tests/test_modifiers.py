@@ -244,3 +244,14 @@ def test_low_precision_slopes_form_the_bias_in_the_scores_dtype(name):
     tested = SINGLE_PROCESS[name](query, key, value, alibi_slopes=half)
     golden = reference(query, key, value, alibi_slopes=half.double())
     assert (tested.double() - golden).abs().max() < 1e-5
+
+
+def test_full_precision_slopes_keep_their_gradient_with_bfloat16_inputs():
+    """Slopes in float32 with bfloat16 inputs: naive forms the bias in float32 and rounds it
+    once, so the slopes' gradient comes back in float32, not rounded to bfloat16."""
+    query, key, value = make_qkv(batch=1, heads=HEADS, kv_heads=HEADS, q_len=64, head_size=8,
+                                 dtype=torch.bfloat16)  # fmt: skip
+    learned = slopes().requires_grad_()
+    naive_attention(query, key, value, alibi_slopes=learned).float().square().sum().backward()
+    assert learned.grad.dtype == torch.float32
+    assert not torch.equal(learned.grad, learned.grad.bfloat16().float())

@@ -14,6 +14,7 @@ from octlm.bench.worker import make_record
 from octlm.cli import main
 from octlm.report import NOT_MEASURED, claims, collect, load, write_report
 from octlm.report.collect import busy as busy_reason
+from octlm.report.collect import latest_runs
 
 # Synthetic records of the baseline, train and structure suites
 # (tests/fixtures/make_bench_records.py).
@@ -254,3 +255,69 @@ def test_verify_run_twice_is_counted_once(tmp_path):
     assert (
         f"{len(second)} verification records from the latest run of each of 1 experiments" in text
     )
+
+
+def test_records_that_differ_in_feature_or_tiles_never_pair(tmp_path):
+    """Within one round: plain FLASH and tiled, tiled at other tiles, and both with softcap.
+    Each ratio compares like with like, and says which case it is."""
+    found = [
+        timed("flash", 0.5),
+        timed("tiled", 1.0),
+        {**timed("tiled", 5.0), "block": [16, 16]},
+        {**timed("flash", 2.0), "feature": "softcap"},
+        {**timed("tiled", 2.2), "feature": "softcap"},
+    ]
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert "| cpu forward float32 8,192 | tiled ÷ FLASH | 2× (1 round) |" in text
+    assert "| cpu forward float32 8,192 | tiled 16×16 ÷ FLASH | 10× (1 round) |" in text
+    assert "| cpu forward float32 8,192, softcap | tiled ÷ FLASH | 1.1× (1 round) |" in text
+    # the table of plain measurements keeps the softcap runs out and the tilings apart
+    assert "| 8,192 | 500.0 ms, 1 MiB | 1.00 s, 1 MiB | 5.00 s, 1 MiB |" in text
+
+
+def test_ratios_pair_records_of_one_run_only(tmp_path):
+    """A second run that measured tiled alone does not pair with the first run's FLASH under
+    the same round number: that ratio was never measured side by side."""
+    first = [timed("flash", 0.5), timed("tiled", 1.0)]
+    second = [{**timed("tiled", 3.0), "run": "s"}]
+    path = write(tmp_path / "b.jsonl", first + second)
+    text = write_report([path], tmp_path / "r.md").read_text()
+    assert "| tiled ÷ FLASH |" not in text
+    assert "no round measured FLASH beside another backend" in text
+
+
+def test_contention_rounds_that_never_meet_read_not_measured(tmp_path):
+    """tiled idle and busy in round 1, FLASH in round 2 only: no growth to compare, no crash."""
+    found = [timed("tiled", 0.6, 1), timed("tiled", 1.8, 1, busy=True)]
+    found += [timed("flash", 0.4, 2), timed("flash", 0.8, 2, busy=True)]
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert f"| 3× (1 round) | 2× (1 round) | {NOT_MEASURED} |" in text
+
+
+def test_a_busy_round_marks_the_median_it_joins(tmp_path):
+    """Two rounds of FLASH, the first starved of CPU time: their median carries the mark."""
+    found = [
+        timed("flash", 1.5, 1, cpu_seconds=0.6, wall_seconds=1.0),  # 2 threads: 30%
+        timed("flash", 0.5, 2, cpu_seconds=1.98, wall_seconds=1.0),
+    ]
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert "| 8,192 | 1.00 s, 1 MiB † |" in text
+
+
+def test_the_report_never_overwrites_its_records_and_reads_each_file_once(tmp_path, capsys):
+    path = write(tmp_path / "b.jsonl", [timed("flash", 0.5), timed("tiled", 1.0)])
+    before = path.read_text()
+    assert main(["report", str(path), "--output", str(path)]) == 2
+    assert "is one of the records read" in capsys.readouterr().err
+    assert path.read_text() == before
+    text = write_report([path, path, tmp_path / "." / "b.jsonl"], tmp_path / "r.md").read_text()
+    assert "2 records from" in text
+
+
+def test_verify_runs_of_different_dtypes_keep_each_others_figures():
+    checks = [
+        {"experiment": "tiled-sdpa", "run": "1", "dtype": "float32", "device": "cpu"},
+        {"experiment": "tiled-sdpa", "run": "1", "dtype": "bfloat16", "device": "cpu"},
+        {"experiment": "tiled-sdpa", "run": "2", "dtype": "bfloat16", "device": "cpu"},
+    ]
+    assert latest_runs(checks) == [checks[0], checks[2]]

@@ -567,6 +567,26 @@ def test_resume_keeps_its_new_steps_and_refuses_to_do_nothing(corpus, tmp_path):
     assert run.steps == 4
 
 
+def test_a_resume_that_fails_in_its_first_step_keeps_the_runs_config(corpus, tmp_path, monkeypatch):
+    """config.json takes a resume's new flags only once its first step has worked, so a plain
+    --resume after the failure is the run as it was."""
+    model_config, run = configs(corpus, steps=2)
+    folder = tmp_path / "run"
+    train(model_config, run, folder, progress=False)
+    before = (folder / config.CONFIG_FILE).read_text()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(loop, "_step", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train(model_config, replace(run, steps=5), folder, resume=True, progress=False)
+    assert (folder / config.CONFIG_FILE).read_text() == before
+    monkeypatch.undo()
+    train(model_config, replace(run, steps=5), folder, resume=True, progress=False)
+    assert json.loads((folder / config.CONFIG_FILE).read_text())["run"]["steps"] == 5
+
+
 def test_checkpoints_load_under_another_attention(corpus, tmp_path):
     """Attention, tiles and kernel say how attention is computed, not what the model is: a run
     resumes, and its checkpoints load, under any of them; the width still may not change."""

@@ -602,32 +602,34 @@ def saved_config(state: object) -> ModelConfig:
         raise ValueError(f"the saved model config is not one this octlm reads: {error}") from error
 
 
-def checksum(state: dict) -> str:
-    """SHA-256 over every entry of a state dict: names, dtypes, shapes and bytes. Nested dicts,
-    lists and tuples (an optimizer's or a training checkpoint's state) are walked through."""
+def checksum(state: dict, *, nested: bool = False) -> str:
+    """SHA-256 over every entry of a state dict: names, dtypes, shapes and bytes; any other
+    value by its ``repr``. With ``nested``, dicts, lists and tuples are walked into (a training
+    checkpoint's optimizer state), since a ``repr`` shows a large tensor only in part. Model
+    files use the flat digest they were always saved with."""
     digest = hashlib.sha256()
-    _digest_entries(digest, state)
+    _digest_entries(digest, state, nested)
     return digest.hexdigest()
 
 
-def _digest_entries(digest, state: dict) -> None:
+def _digest_entries(digest, state: dict, nested: bool) -> None:
     for name in sorted(state, key=str):
         digest.update(str(name).encode())
-        _digest_value(digest, state[name])
+        _digest_value(digest, state[name], nested)
 
 
-def _digest_value(digest, value) -> None:
+def _digest_value(digest, value, nested: bool) -> None:
     if isinstance(value, Tensor):
         digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
         flat = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # raw bytes
         digest.update(flat.numpy())
-    elif isinstance(value, dict):
+    elif nested and isinstance(value, dict):
         digest.update(f"{{{len(value)}".encode())
-        _digest_entries(digest, value)
-    elif isinstance(value, list | tuple):
+        _digest_entries(digest, value, nested)
+    elif nested and isinstance(value, list | tuple):
         digest.update(f"[{len(value)}".encode())
         for item in value:
-            _digest_value(digest, item)
+            _digest_value(digest, item, nested)
     else:
         digest.update(repr(value).encode())
 

@@ -32,8 +32,9 @@ def naive_attention(call: Call) -> Tensor:
     if call.softcap is not None:
         scores = call.softcap * torch.tanh(scores / call.softcap)
     if call.alibi_slopes is not None:
-        slopes = call.alibi_slopes.to(scores.dtype)  # the bias is formed in the scores' dtype
-        scores = scores + alibi_bias(slopes, call.q_len, call.k_len)
+        # Formed in the finer of the slopes' and the scores' dtypes, then rounded once.
+        slopes = call.alibi_slopes.to(torch.promote_types(call.alibi_slopes.dtype, scores.dtype))
+        scores = scores + alibi_bias(slopes, call.q_len, call.k_len).to(scores.dtype)
     hidden = dense_mask(call)
     if hidden is not None and hidden.dtype == torch.bool:
         scores = scores.masked_fill(~hidden, float("-inf"))

@@ -187,7 +187,9 @@ def _peak(experiment: str, run: str, busy: bool, timeout: float) -> dict:
     """The ``peak`` record of this run, from a fresh worker."""
     command = [*WORKER, "--peak", "--experiment", experiment, "--run", run]
     command += ["--parent", str(os.getpid())] + ["--busy"] * busy
-    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(  # its own session, so that _kill reaches it
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = worker.communicate(timeout=timeout)
     except BaseException:

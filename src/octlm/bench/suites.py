@@ -69,9 +69,17 @@ class Measurement:
         return f"{self.backend} {self.mode} {self.dtype} {shape}{extra}" + " busy" * self.busy
 
 
+# What makes two measurements the same one: every field but the repeats, the warm-up and the
+# device (which records keep beside the key).
+KEY_FIELDS = tuple(
+    f.name for f in fields(Measurement) if f.name not in ("repeats", "warmup", "device")
+)
+
+
 def key_of(record: dict) -> tuple:
-    """:meth:`Measurement.key` of a record, so a file can say which measurements it holds."""
-    known = [f for f in fields(Measurement) if f.name not in ("repeats", "warmup", "device")]
+    """:meth:`Measurement.key` of a record, so a file can say which measurements it holds;
+    its fields are named by :data:`KEY_FIELDS`."""
+    known = [f for f in fields(Measurement) if f.name in KEY_FIELDS]
     names = [f.name for f in known]
     # A field added later (``busy``, ``feature``) reads as its default in records written
     # before it.

@@ -50,6 +50,8 @@ def write_report(
     """
     output = records.check_writable(output, "output (--output)")
     paths = sorted(Path("runs").glob("*.jsonl")) if paths is None else [Path(p) for p in paths]
+    if any(p.exists() and output.exists() and p.samefile(output) for p in paths):
+        raise ValueError(f"output (--output) {str(output)!r} is one of the records read")
     found = collect(paths)
     for note in found.skipped:
         print(f"octlm report: {note}", file=sys.stderr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from octlm.report.collect import plain
+from octlm.report.collect import backend_label, plain
 from octlm.report.format import NOT_MEASURED, mib, ratio, seconds
 
 # The Day 2 note's benchmark shape, which its claims are about.
@@ -26,6 +26,7 @@ def baseline_rows(rows: list[dict], mode: str = "forward") -> list[dict]:
         if r.get("device") == "cpu"
         and r["mode"] == mode
         and plain(r)
+        and backend_label(r) == r["backend"]  # tiled at its default tiles
         and all(r.get(name) == value for name, value in BASELINE_SHAPE.items())
     ]
 

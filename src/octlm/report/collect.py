@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from octlm import records
+from octlm.attention.tiled import DEFAULT_BLOCK
 from octlm.bench.suites import key_of
 
 
@@ -44,7 +45,8 @@ class Collected:
 
 def collect(paths: Iterable[str | os.PathLike]) -> Collected:
     """Read each of ``paths`` once. ``FileNotFoundError`` names a missing file."""
-    found = Collected([Path(p) for p in paths])
+    given = {Path(p).resolve(): Path(p) for p in reversed(list(paths))}  # each file once
+    found = Collected(list(reversed(given.values())))
     verify: list[dict] = []
     for path in found.paths:
         for record in records.read(path, found.skipped):
@@ -70,13 +72,17 @@ def _replaces(new: dict, old: dict) -> bool:
 
 
 def latest_runs(checks: list[dict]) -> list[dict]:
-    """The records of each experiment's latest run (records without a run id count as one
-    run, older than any with one)."""
-    latest: dict[str, str] = {}
+    """The records of each experiment's latest run, per device and dtype (a run of one dtype
+    leaves another's figures standing; records without a run id count as one run, older than
+    any with one)."""
+    latest: dict[tuple, str] = {}
+
+    def where(record: dict) -> tuple:
+        return record["experiment"], record.get("device"), record.get("dtype")
+
     for record in checks:
-        run = record.get("run") or ""
-        latest[record["experiment"]] = max(latest.get(record["experiment"], ""), run)
-    return [r for r in checks if (r.get("run") or "") == latest[r["experiment"]]]
+        latest[where(record)] = max(latest.get(where(record), ""), record.get("run") or "")
+    return [r for r in checks if (r.get("run") or "") == latest[where(r)]]
 
 
 def measurements(found: Iterable[dict]) -> list[dict]:
@@ -92,8 +98,10 @@ def measurements(found: Iterable[dict]) -> list[dict]:
         if len(ok) < 2:
             out.append(ok[0] if ok else group[-1])
             continue
+        crowded = next((r for r in ok if busy(r)), None)  # a busy round marks the median
         out.append({
             **ok[-1],
+            **({name: crowded.get(name) for name in LOAD_FIELDS} if crowded else {}),
             "seconds_median": statistics.median(r["seconds_median"] for r in ok),
             "seconds": [s for r in ok for s in r.get("seconds") or []],
             "extra_bytes": int(statistics.median(r["extra_bytes"] for r in ok)),
@@ -103,12 +111,23 @@ def measurements(found: Iterable[dict]) -> list[dict]:
 
 
 def plain(record: dict) -> bool:
-    """Square causal attention without window or padding: the Day 2 note's kind of record."""
+    """Square attention without window, padding or a score feature: the Day 2 note's kind of
+    record."""
     return (
         not record.get("window")
         and not record.get("padding")
+        and not record.get("feature")
         and record.get("q_len", record["length"]) == record["length"]
     )
+
+
+def backend_label(record: dict) -> str:
+    """The backend, with tiled's tiles when they are not the default: two tilings are two
+    series, never one."""
+    block = record.get("block")
+    if not block or tuple(block) == DEFAULT_BLOCK:
+        return record["backend"]
+    return f"{record['backend']} {block[0]}×{block[1]}"
 
 
 # A measurement was taken on a busy machine when its process got less than MIN_CPU_SHARE of the
@@ -118,6 +137,8 @@ def plain(record: dict) -> bool:
 # stopped, so it is not used where the share is known.
 BUSY_LOAD = 0.5
 MIN_CPU_SHARE = 0.75
+# What a record says of the load it was measured under.
+LOAD_FIELDS = ("cpu_seconds", "wall_seconds", "threads", "load_before", "load_after", "cpus")
 
 
 def busy(record: dict) -> str | None:

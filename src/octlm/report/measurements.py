@@ -3,7 +3,7 @@ and shape, with the measurements taken while the machine was busy marked."""
 
 from __future__ import annotations
 
-from octlm.report.collect import plain
+from octlm.report.collect import backend_label, plain
 from octlm.report.format import NOT_MEASURED, cell, table
 
 PLAIN_SHAPE = ("device", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "causal")
@@ -23,9 +23,9 @@ def section(rows: list[dict]) -> list[str]:
     lines = []
     for shape, group in sorted(_series(rows).items(), key=str):
         device, mode, dtype, batch, heads, kv_heads, head_size, causal = shape
-        backends = sorted({r["backend"] for r in group})
+        backends = sorted({backend_label(r) for r in group})
         lengths = sorted({r["length"] for r in group})
-        cells = {(r["length"], r["backend"]): r for r in group}
+        cells = {(r["length"], backend_label(r)): r for r in group}
         lines += [
             f"**{device}, {mode}, {dtype}**: batch {batch}, {heads} heads "
             f"({kv_heads} key/value), head size {head_size}, {'' if causal else 'not '}causal",

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from octlm.bench.suites import BACKENDS
-from octlm.report.collect import plain
+from octlm.report.collect import backend_label, plain
 from octlm.report.format import MiB
 
 # A backend keeps its colour and a dtype its line style.
@@ -26,7 +26,7 @@ def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
     figures: dict[tuple, dict[tuple, list[dict]]] = {}
     for r in rows:
         if plain(r) and r["status"] == "ok":
-            line = (r["backend"], r["dtype"], r.get("head_size"))
+            line = (backend_label(r), r["dtype"], r.get("head_size"))
             figures.setdefault((r.get("device"), r["mode"]), {}).setdefault(line, []).append(r)
     names = []
     for (device, mode), lines in sorted(figures.items(), key=str):

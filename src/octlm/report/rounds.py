@@ -12,30 +12,37 @@ from __future__ import annotations
 
 import statistics
 
-from octlm.report.collect import Collected, busy
+from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.bench.suites import KEY_FIELDS
+from octlm.report.collect import Collected, backend_label, busy
 from octlm.report.format import BUSY_MARK, NOT_MEASURED, spread, table
 
-# What makes two measurements of one round comparable: all but the field that varies.
-FIELDS = (
-    "device", "backend", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "length",
-    "q_len", "causal", "window", "padding", "busy",
-)  # fmt: skip
 # Contention target: (tiled busy / tiled idle) <= CONTENTION_TARGET * (FLASH busy / FLASH idle).
 CONTENTION_TARGET = 1.1
 
 
+def _names(field: str) -> list[str]:
+    """What makes two measurements of one round comparable: the device and every field of the
+    measurement's key but ``field``; comparing backends, tiled's tile goes with the backend
+    (:func:`backend_label`), since the other backends have none."""
+    varied = (field, "block") if field == "backend" else (field,)
+    return ["device", *(name for name in KEY_FIELDS if name not in varied)]
+
+
 def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, dict]]]:
     """``{(the other fields, top value): [(top record, bottom record) per round]}``: ok records
-    of one round that differ only in ``field``, the bottom one having value ``bottom``."""
+    of one round of one run that differ only in ``field``, the bottom one having value
+    ``bottom``. Records of different runs never pair, even under one round number."""
+    names = _names(field)
     rounds: dict[tuple, dict] = {}
-    for (_device, _key, round), record in found.rounds.items():
+    for (device, key, round), record in found.rounds.items():
         if record["status"] == "ok":
-            rest = tuple(
-                record.get(f, False if f == "busy" else None) for f in FIELDS if f != field
-            )
-            rounds.setdefault((rest, round), {})[record.get(field) or False] = record
+            shape = {"device": device, **dict(zip(KEY_FIELDS, key, strict=True))}
+            value = backend_label(record) if field == "backend" else shape[field]
+            rest = tuple(shape[name] for name in names)
+            rounds.setdefault((rest, record.get("run"), round), {})[value or False] = record
     out: dict[tuple, list[tuple[dict, dict]]] = {}
-    for (rest, _round), by in sorted(rounds.items(), key=str):
+    for (rest, _run, _round), by in sorted(rounds.items(), key=str):
         if bottom in by:
             for value, record in by.items():
                 if value != bottom:
@@ -44,7 +51,7 @@ def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, 
 
 
 def _shape(rest: tuple, field: str) -> dict:
-    return dict(zip([f for f in FIELDS if f != field], rest, strict=True))
+    return dict(zip(_names(field), rest, strict=True))
 
 
 def _describe(shape: dict) -> str:
@@ -58,6 +65,11 @@ def _describe(shape: dict) -> str:
     text += f", padding {shape['padding']:g}" if shape.get("padding") else ""
     if (shape["heads"], shape["kv_heads"], shape["head_size"]) != (8, 8, 32):
         text += f", {shape['heads']}/{shape['kv_heads']} heads of {shape['head_size']}"
+    text += f", batch {shape['batch']}" if shape.get("batch", 1) != 1 else ""
+    text += ", not causal" if shape.get("causal") is False else ""
+    text += f", {shape['feature']}" if shape.get("feature") else ""
+    block = shape.get("block")
+    text += f", tiles {block[0]}×{block[1]}" if block and tuple(block) != DEFAULT_BLOCK else ""
     return text
 
 
@@ -99,7 +111,7 @@ def longest(found_pairs: dict[tuple, list], field: str) -> list[tuple[dict, str,
         if shape["busy"]:
             continue
         square = shape["q_len"] in (None, shape["length"])
-        series = (*(shape[f] for f in FIELDS if f not in (field, "length", "q_len")), value)
+        series = (*(shape[f] for f in _names(field) if f not in ("length", "q_len")), value)
         series += ("square" if square else shape["q_len"],)
         if series not in kept or kept[series][0]["length"] < shape["length"]:
             kept[series] = (shape, value, pairs_)
@@ -168,16 +180,19 @@ def _contention(found: Collected) -> list[str]:
         shape = _shape(rest, "busy")
         if shape["backend"] != "tiled":
             continue
-        flash = growth.get((tuple({**shape, "backend": "flash"}.values()), True))
+        flash = growth.get((tuple({**shape, "backend": "flash", "block": None}.values()), True))
         tiled_growth = _growths(tiled)
         cells = [f"{shape['device']} {_describe(shape)}", spread(list(tiled_growth.values()))]
         if not flash:
             body.append([*cells, NOT_MEASURED, "", ""])
             continue
         flash_growth = _growths(flash)
-        rounds = sorted(set(tiled_growth) & set(flash_growth))
+        rounds = sorted(set(tiled_growth) & set(flash_growth), key=str)
         relative = [tiled_growth[r] / flash_growth[r] for r in rounds]
-        met = "yes" if relative and statistics.median(relative) <= CONTENTION_TARGET else "no"
+        if not relative:  # both grew, but never in the same round
+            body.append([*cells, spread(list(flash_growth.values())), NOT_MEASURED, ""])
+            continue
+        met = "yes" if statistics.median(relative) <= CONTENTION_TARGET else "no"
         if any(busy(idle) for _, idle in [*tiled, *flash]):
             met = "not judged: the idle runs were on a busy machine"
         body.append([*cells, spread(list(flash_growth.values())), spread(relative), met])
@@ -202,9 +217,9 @@ def _titled(title: str, header: list[str], body: list[list[str]], *notes: str) -
     ]
 
 
-def _growths(found_pairs: list[tuple[dict, dict]]) -> dict[int, float]:
-    """busy ÷ idle time, keyed by the round."""
+def _growths(found_pairs: list[tuple[dict, dict]]) -> dict[tuple, float]:
+    """busy ÷ idle time, keyed by the run and the round."""
     return {
-        top.get("round", 1): top["seconds_median"] / bottom["seconds_median"]
+        (top.get("run"), top.get("round", 1)): top["seconds_median"] / bottom["seconds_median"]
         for top, bottom in found_pairs
     }

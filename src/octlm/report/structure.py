@@ -5,6 +5,7 @@ the mask."""
 
 from __future__ import annotations
 
+from octlm.report.collect import backend_label
 from octlm.report.format import NOT_MEASURED, cell, is_ok, ratio, table
 
 # The targets: (ratio, its bound or None for none, True when the ratio must be at least the
@@ -48,6 +49,8 @@ def _case(record: dict) -> str | None:
 
 
 STRUCTURE_SHAPE = ("device", "mode", "dtype", "q_len", "length", "window", "padding")
+# The rest of a measurement's shape: shown when it is not the structure suite's own.
+OTHER_SHAPE = {"batch": 1, "heads": 8, "kv_heads": 8, "head_size": 32, "causal": True}
 
 
 def section(rows: list[dict]) -> list[str]:
@@ -55,19 +58,23 @@ def section(rows: list[dict]) -> list[str]:
     for r in rows:
         case = _case(r)
         if case in groups:
-            shape = tuple(r.get(name) for name in STRUCTURE_SHAPE)
-            groups[case].setdefault(shape, {})[r["backend"]] = r
+            shape = tuple(r.get(name) for name in (*STRUCTURE_SHAPE, *OTHER_SHAPE))
+            groups[case].setdefault(shape, {})[backend_label(r)] = r
     body = []
     for case, (ratio_name, target, at_least) in TARGETS.items():
         wanted = "" if target is None else f"{ratio_name} {'≥' if at_least else '≤'} {target:g}×"
         if not groups[case]:
             body.append([case, NOT_MEASURED, "", "", "", "", wanted, ""])
         for shape, by in sorted(groups[case].items(), key=str):
-            device, mode, dtype, q_len, length, window, padding = shape
+            device, mode, dtype, q_len, length, window, padding = shape[: len(STRUCTURE_SHAPE)]
             queries = "1 query" if q_len == 1 else f"{q_len:,} queries"
             where = f"{device} {dtype} {mode}, {queries} × {length:,} keys"
             where += f", window {window}" if window else ""
             where += f", padding {padding:g}" if padding else ""
+            other = dict(zip(OTHER_SHAPE, shape[len(STRUCTURE_SHAPE) :], strict=True))
+            where += "".join(
+                f", {name} {value}" for name, value in other.items() if value != OTHER_SHAPE[name]
+            )
             cells = [cell(by.get(name)) for name in ("tiled", "flash", "math")]
             tiled, flash = by.get("tiled"), by.get("flash")
             shown, met = "", ""

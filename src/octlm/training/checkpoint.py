@@ -51,7 +51,7 @@ def save(folder: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
     temporary = final.with_name(f".{final.name}.tmp")
     with temporary.open("wb") as out:
         contents = {"format": FORMAT, "step": step, **state}
-        torch.save({**contents, "sha256": checksum(contents)}, out)
+        torch.save({**contents, "sha256": checksum(contents, nested=True)}, out)
         out.flush()
         os.fsync(out.fileno())
     os.replace(temporary, final)
@@ -79,7 +79,7 @@ def load(path: str | os.PathLike, model_config: ModelConfig) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"checkpoint {str(path)!r} is not an {FORMAT} checkpoint")
     digest = state.pop("sha256", None)  # None: written before checkpoints carried one
-    if digest is not None and checksum(state) != digest:
+    if digest is not None and checksum(state, nested=True) != digest:
         raise ValueError(
             f"checkpoint {str(path)!r} is corrupted: its checksum does not match; an earlier "
             "checkpoint in the folder may still load"

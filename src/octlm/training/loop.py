@@ -144,12 +144,9 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     )
     stop["armed"] = True  # from here a signal ends the run after a step, with a checkpoint
     if cluster.is_main:
-        # Everything before the first step worked: the folder is now a run, or a resumed run
-        # keeps what its flags changed (more steps, another device) for the next --resume.
-        stored = folder / STORING
-        stored.write_text(json.dumps(to_dict(model_config, run), indent=2) + "\n")
-        os.replace(stored, folder / CONFIG_FILE)
-        (folder / PREPARING).unlink(missing_ok=True)
+        if not resume:  # everything before the first step worked: the folder is now a run
+            _store_config(folder, model_config, run)
+            (folder / PREPARING).unlink()
         _announce(summary, model_config, run, cluster, start)
 
     bar = tqdm(
@@ -162,6 +159,11 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         batch = batches.next(run.batch)  # (B, T) each, the same on every rank
         loss, grad_norm, lr = _step(model, raw, batch, optimizer, scaler, autocast, run, cluster)
         scheduler.step()
+        if resume and step == start + 1 and cluster.is_main:
+            # Its first step worked: the run keeps what the flags changed (more steps, another
+            # device or attention) for the next --resume. A resume that fails before here
+            # leaves config.json as it was.
+            _store_config(folder, model_config, run)
         bar.update()
         tokens_seen += run.batch * run.length
         signalled = cluster.any(stop["signal"] is not None)
@@ -203,6 +205,16 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         print(f"stopped by {stopped_by} after step {step}; continue with --resume")
     val_loss, val_bits_per_byte, _sample = last_eval or (None, None, None)
     return Outcome(folder, step, val_loss, val_bits_per_byte, stopped_by, cluster.rank)
+
+
+def _store_config(folder: Path, model_config: ModelConfig, run: RunConfig) -> None:
+    """Write ``config.json`` atomically and durably: a temporary file, fsynced, renamed."""
+    stored = folder / STORING
+    with stored.open("w") as out:
+        out.write(json.dumps(to_dict(model_config, run), indent=2) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(stored, folder / CONFIG_FILE)
 
 
 def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> None:
