@@ -375,6 +375,85 @@ def test_damaged_model_file_gives_a_clear_error(tmp_path, damage):
         OctLM.load(path)
 
 
+def test_a_model_file_cut_anywhere_gives_a_clear_error(tmp_path):
+    """torch reports some cuts as OSError (EINVAL from the zip reader): still a ValueError."""
+    path = tmp_path / "model.pt"
+    OctLM(replace(SMALL, n_layers=1)).save(path)
+    data = path.read_bytes()
+    for cut in range(1, len(data), max(1, len(data) // 61)):
+        path.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=r"torn or corrupted file\?"):
+            OctLM.load(path)
+
+
+def test_a_missing_file_is_not_called_damaged(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        OctLM.load(tmp_path / "absent.pt")
+    with pytest.raises(TypeError, match=r"fields that ModelConfig does not have: \['bogus'\]"):
+        OctLM.load(tmp_path / "absent.pt", bogus=1)
+
+
+@pytest.mark.parametrize("entry", ["state_dict", "sha256"])
+def test_a_model_file_missing_an_entry_is_called_corrupted(tmp_path, entry):
+    path = tmp_path / "model.pt"
+    OctLM(SMALL).save(path)
+    contents = torch.load(path, weights_only=True)
+    del contents[entry]
+    torch.save(contents, path)
+    with pytest.raises(ValueError, match="checksum does not match"):
+        OctLM.load(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_loads_in_the_dtype_it_was_saved_in(tmp_path, dtype):
+    model = OctLM(SMALL).to(dtype).eval()
+    model.save(tmp_path / "model.pt")
+    loaded = OctLM.load(tmp_path / "model.pt").eval()
+    assert {p.dtype for p in loaded.parameters()} == {dtype}
+    for (name, a), b in zip(loaded.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+    tokens = tokens_for(1, 12)
+    assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_the_model_keeps_its_own_config():
+    config = replace(SMALL)
+    model = OctLM(config)
+    config.attention = "naive"
+    assert model.config.attention == SMALL.attention
+    assert all(block.attention.config is model.config for block in model.blocks)
+
+
+def test_a_cache_of_another_type_is_refused():
+    with pytest.raises(TypeError, match="cache must be a KVCache or None, got int"):
+        OctLM(SMALL)(torch.zeros(1, 3, dtype=torch.long), cache=5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_call_that_fails_part_way_leaves_a_windowed_cache_as_it_was(chunk):
+    """The ring's slots are overwritten only once every layer has run: a call that fails in a
+    later layer (here the last one's attention) can be retried, and decoding goes on exact."""
+    config = replace(SMALL, window=5, n_kv_heads=2)
+    torch.manual_seed(0)
+    model = OctLM(config).double().eval()
+    tokens = tokens_for(1, 14)
+    full = model(tokens)
+    cache = KVCache(config)
+    model(tokens[:, :9], cache=cache)  # the ring is full and has wrapped
+    last = model.blocks[-1].attention
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    last.forward, keep = fail, last.forward
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model(tokens[:, 9 : 9 + chunk], cache=cache)
+    last.forward = keep
+    assert cache.length == 9
+    pieces = [model(piece, cache=cache) for piece in tokens[:, 9:].split(chunk, dim=1)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, 9:], rtol=0, atol=1e-10)
+
+
 def test_kv_heads_default_to_heads():
     assert ModelConfig(n_heads=4, width=64).n_kv_heads == 4
 

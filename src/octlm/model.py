@@ -154,6 +154,7 @@ class KVCache:
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         self.length = 0
+        self.pending: list[tuple[int, Tensor, Tensor, Tensor]] = []  # ring writes not yet made
 
     def prepare(
         self, config: ModelConfig, tokens: Tensor, dtype: torch.dtype, device: torch.device
@@ -161,6 +162,7 @@ class KVCache:
         """Check that a call of ``tokens (B, T)`` fits this cache; allocate the buffers at the
         first call. Raises ``ValueError`` before anything is written, so a refused call leaves
         the cache as it was."""
+        self.pending.clear()  # left by a call that failed part-way
         differences = differing_fields(self.config, config)
         if differences:
             raise ValueError(
@@ -208,11 +210,22 @@ class KVCache:
         before = torch.arange(max(0, past - self.size + 1), past, device=keys.device) % self.size
         key = torch.cat([keys.index_select(2, before), key], dim=2)  # (B, Hkv, K, D)
         value = torch.cat([values.index_select(2, before), value], dim=2)  # (B, Hkv, K, D)
-        kept = min(length, self.size)  # the chunk's last positions, which later calls see
+        # The chunk's last positions, which later calls see, overwrite slots that this call's
+        # later layers still read: they are written by advance, once every layer has run.
+        kept = min(length, self.size)
         slots = torch.arange(past + length - kept, past + length, device=keys.device) % self.size
-        keys.index_copy_(2, slots, key[:, :, -kept:])
-        values.index_copy_(2, slots, value[:, :, -kept:])
+        self.pending.append((layer, slots, key[:, :, -kept:], value[:, :, -kept:]))
         return key, value
+
+    def advance(self, length: int) -> None:
+        """Close a call of ``length`` positions that ran through every layer: make its deferred
+        ring writes and count its positions. A call that fails part-way never gets here, so
+        the cache keeps what it held before (slots past ``length`` may hold its keys, unread)."""
+        for layer, slots, key, value in self.pending:
+            self.keys[layer].index_copy_(2, slots, key)
+            self.values[layer].index_copy_(2, slots, value)
+        self.pending.clear()
+        self.length += length
 
 
 def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
@@ -327,6 +340,7 @@ class OctLM(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        config = replace(config)  # a copy: changing the caller's config cannot change the model
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.width)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
@@ -390,21 +404,25 @@ class OctLM(nn.Module):
         any other field that differs from the saved one is refused with a ``ValueError``, as is
         a file that is torn, corrupted or not an octlm model.
         """
+        unknown = sorted(set(changes) - {field.name for field in fields(ModelConfig)})
+        if unknown:
+            raise TypeError(f"OctLM.load got fields that ModelConfig does not have: {unknown}")
         try:
             contents = torch.load(path, map_location=map_location, weights_only=True)
-        except OSError:
-            raise
-        except Exception as error:  # torch reports a damaged file in many ways
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise  # the file is missing or unreadable, not damaged
+        except Exception as error:  # torch reports a damaged file in many ways, OSError among them
             raise ValueError(
                 f"cannot read an octlm model from {str(path)!r} (torn or corrupted file?): "
                 f"{type(error).__name__}: {str(error)[:200]}"
             ) from error
         if not isinstance(contents, dict) or contents.get("format") != FILE_FORMAT:
             raise ValueError(f"{str(path)!r} is not an octlm model file written by OctLM.save")
-        state = contents["state_dict"]
-        if checksum(state) != contents["sha256"]:
+        state = contents.get("state_dict")
+        if not isinstance(state, dict) or checksum(state) != contents.get("sha256"):
             raise ValueError(f"{str(path)!r} is corrupted: its checksum does not match")
         model = cls(replace(saved_config(state.get("_extra_state")), **changes))
+        model.to(state["embedding.weight"].dtype)  # the dtype it was saved in, not the default
         model.load_state_dict(state)
         return model
 
@@ -431,6 +449,8 @@ class OctLM(nn.Module):
         ``past + arange(T)``. Documents take neither a cache nor ``positions``.
         """
         self._check_tokens(tokens)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
         if document_ids is not None:
             self._check_documents(tokens, document_ids, cache, positions)
         past = 0 if cache is None else cache.length
@@ -446,7 +466,7 @@ class OctLM(nn.Module):
         for block in self.blocks:
             x = block(x, rope, cache, document_ids)  # (B, T, C)
         if cache is not None:
-            cache.length += tokens.shape[1]
+            cache.advance(tokens.shape[1])
         return F.linear(self.norm(x), self.embedding.weight)  # (B, T, V)
 
     def _check_documents(
