@@ -454,6 +454,25 @@ def test_a_call_that_fails_part_way_leaves_a_windowed_cache_as_it_was(chunk):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, 9:], rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("attention", IMPLEMENTATIONS)
+def test_a_compiled_model_gives_the_eager_logits_and_gradients(attention):
+    """torch.compile traces the model; tiled's block loop (Python over tile bounds) is a graph
+    break, run eagerly. On one thread it used to be traced and crash dynamo. The "eager"
+    backend keeps the test fast: the tracing is what is checked."""
+    config = replace(SMALL, n_kv_heads=2, attention=attention)
+    model = same_weights(config, torch.float64)["naive" if attention == "naive" else attention]
+    tokens = tokens_for(2, 40)
+    logits, grads = logits_and_grads(model, tokens)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    compiled_logits = compiled(tokens[:, :-1])
+    loss = F.cross_entropy(compiled_logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    torch.testing.assert_close(compiled_logits, logits, rtol=0, atol=1e-12)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, grads[name], rtol=0, atol=1e-12)
+
+
 def test_kv_heads_default_to_heads():
     assert ModelConfig(n_heads=4, width=64).n_kv_heads == 4
 

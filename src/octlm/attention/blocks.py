@@ -611,11 +611,16 @@ class Rules:
     block_mask: BlockMask | None = None
 
 
-def _without_autocast(steps: Callable) -> Callable:
-    """Run the block steps with autocast off on the query's device. They choose their own
-    precision (every block in float32 or float64); under autocast the first block's matmul would
-    come back in bfloat16 and the in-place ones that follow refuse to mix the two."""
+def _block_steps(steps: Callable) -> Callable:
+    """Run the block steps eagerly and with autocast off on the query's device.
 
+    They choose their own precision (every block in float32 or float64); under autocast the
+    first block's matmul would come back in bfloat16 and the in-place ones that follow refuse
+    to mix the two. And their loop is Python over tile bounds, which ``torch.compile`` would
+    trace as symbols and fail on: in a compiled model they are a graph break, run as written.
+    """
+
+    @torch.compiler.disable
     @functools.wraps(steps)
     def run(query: Tensor, *args, **kwargs):
         if not torch.is_autocast_enabled(query.device.type):
@@ -626,7 +631,7 @@ def _without_autocast(steps: Callable) -> Callable:
     return run
 
 
-@_without_autocast
+@_block_steps
 def forward_rows(
     query: Tensor, key: Tensor, value: Tensor, rules: Rules
 ) -> tuple[Tensor, RowStats]:
@@ -799,7 +804,7 @@ def attend_forward(
     return out, rows.lse()
 
 
-@_without_autocast
+@_block_steps
 def attend_backward(
     query: Tensor,
     key: Tensor,
