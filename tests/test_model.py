@@ -138,6 +138,18 @@ def test_sampling_follows_the_generator_and_top_k_one_is_greedy():
     assert torch.equal(sampled(3, top_k=1), model.generate(prompt, 10))
 
 
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300])
+def test_a_tiny_temperature_draws_the_largest_logit(temperature):
+    """logits / temperature overflowed to inf, and inf - inf gave NaN probabilities."""
+    from octlm.model import sample
+
+    logits = torch.tensor([[3.0, 40.0, -2.0, 39.5], [1.0, 0.0, 0.5, 0.9]])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        drawn = sample(logits, temperature, None, generator)
+        assert drawn.tolist() == [[1], [0]]
+
+
 def test_rope_positions_are_relative():
     model = same_weights(SMALL, torch.float64)["naive"].eval()
     tokens = tokens_for(2, 12)

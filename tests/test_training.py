@@ -252,13 +252,18 @@ def test_parameter_count_is_the_models():
         ({}, {"steps": 0}, "steps must be a positive int, got 0"),
         ({}, {"val_share": 1.0}, "val_share must be in"),
         ({}, {"dtype": "float64"}, "dtype must be one of"),
-        ({"vocab_size": 100}, {}, "vocab_size >= 256"),
+        ({"vocab_size": 100}, {}, "byte tokens need vocab_size 256, got 100"),
+        ({"vocab_size": 300}, {}, "byte tokens need vocab_size 256, got 300"),
+        ({}, {"prompt": "def\udcff"}, "prompt must be UTF-8 text"),
+        ({}, {"pack": "false"}, "pack must be true or false, got 'false'"),
+        ({}, {"compile": 0}, "compile must be true or false, got 0"),
+        ({}, {"glob": 7}, "glob must be a string, got 7"),
         ({"max_length": 8}, {"length": 16}, "length (16) exceeds max_length (8)"),
         ({"attention": "ring"}, {}, "--context-parallel"),
         ({}, {"fsdp": True, "context_parallel": True}, "cannot be combined"),
         ({}, {"pack": True, "context_parallel": True}, "takes document_ids"),
         ({}, {"prompt": ""}, "prompt must be a non-empty string, got ''"),
-        ({}, {"prompt": 5}, "prompt must be a non-empty string, got 5"),
+        ({}, {"prompt": 5}, "prompt must be a string, got 5"),
         ({}, {"seed": 10**20}, "seed must be below 2**63"),
         ({}, {"device": "foo"}, "device must be 'cpu', 'cuda' or 'cuda:<index>', got 'foo'"),
         ({"max_length": 1}, {"length": 1}, "sample_tokens (96) needs max_length >= 2"),
@@ -326,6 +331,8 @@ def test_run_writes_records_picture_and_checkpoints(corpus, tmp_path):
         assert record["val_bits_per_byte"] == pytest.approx(record["val_loss"] / math.log(2))
         assert record["sample"].startswith(run.prompt)
     assert outcome.val_loss == evals[-1]["val_loss"] and outcome.stopped_by is None
+    assert len({record["run"] for record in steps + evals}) == 1  # the launch's run id
+    assert isinstance(steps[0]["run"], str)
     assert [p.name for p in checkpoint.listed(folder)] == [
         "checkpoint-0000004.pt", "checkpoint-0000006.pt"
     ]  # fmt: skip
@@ -502,7 +509,7 @@ def test_damaged_token_files_are_refused_on_resume(corpus, tmp_path, damage):
         train(model_config, replace(run, steps=4), tmp_path / "run", resume=True, progress=False)
 
 
-@pytest.mark.filterwarnings("ignore::octlm.records.RecordsWarning")  # the plot skips NaN
+@pytest.mark.filterwarnings("error::octlm.records.RecordsWarning")  # the plot reads them too
 def test_resuming_a_diverged_run_keeps_its_non_finite_records(corpus, tmp_path):
     model_config, run = configs(corpus, steps=2)
     train(model_config, run, tmp_path / "run", progress=False)
@@ -565,6 +572,19 @@ def test_resume_keeps_its_new_steps_and_refuses_to_do_nothing(corpus, tmp_path):
     assert json.loads((folder / config.CONFIG_FILE).read_text())["run"]["steps"] == 4
     model_config, run = resolve(resume=folder)
     assert run.steps == 4
+
+
+def test_an_evaluation_that_fails_loses_no_step(corpus, tmp_path, monkeypatch):
+    """The step's checkpoint is written before its evaluation, so the run resumes after it."""
+    model_config, run = configs(corpus, steps=4, eval_every=2, checkpoint_every=2)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(loop, "_evaluate", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train(model_config, run, tmp_path / "run", progress=False)
+    assert [p.name for p in checkpoint.listed(tmp_path / "run")] == ["checkpoint-0000002.pt"]
 
 
 def test_a_resume_that_fails_in_its_first_step_keeps_the_runs_config(corpus, tmp_path, monkeypatch):
@@ -781,6 +801,15 @@ def test_text_generation_needs_two_positions():
         generate_text(OctLM(small), "x", 3)
     assert generate_text(OctLM(small), "x", 0) == "x"
     assert len(generate_text(OctLM(replace(small, max_length=2)), "x", 5).encode()) >= 6
+
+
+@pytest.mark.parametrize(
+    "content", ['{"run": {}}', '{"model": {"foo": 1}}', "[1]", '{"model": {"width": "x"}}']
+)
+def test_a_run_folder_with_a_damaged_config_is_a_clear_error(tmp_path, content):
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ValueError, match="config|width must be a positive int"):
+        load_run(tmp_path)
 
 
 def test_sample_is_the_models_own_decoding(corpus, tmp_path):

@@ -660,7 +660,11 @@ def sample(
     """One token ``(B, 1)`` per row of ``logits (B, V)``: argmax, or a tempered draw."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    # Shifted to a largest logit of 0 first, in float64 (a float32 temperature could round to
+    # 0): a tiny temperature then sends the others to -inf (greedy, in the limit) instead of
+    # overflowing to inf - inf = NaN.
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (B, V)
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

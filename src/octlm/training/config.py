@@ -96,10 +96,15 @@ class RunConfig:
         for name in ("warmup", "seed", "sample_tokens"):
             if not is_int_at_least(getattr(self, name), 0):
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        for field in fields(self):  # a config file could give "false" for false
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{field.name} must be true or false, got {value!r}")
+            if field.type in ("str", "str | None") and not isinstance(value, str | None):
+                raise ValueError(f"{field.name} must be a string, got {value!r}")
         if self.seed >= 2**63:  # seeds derived from it (seed + rank) must stay in int64
             raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
-        if not isinstance(self.prompt, str) or not self.prompt:
-            raise ValueError(f"prompt must be a non-empty string, got {self.prompt!r}")
+        prompt_bytes(self.prompt)
         if self.device is not None:
             parse_device(self.device)
         for name, low, high in (("val_share", 0, 1), ("min_lr_ratio", 0, 1)):
@@ -214,6 +219,16 @@ def resolve(
     return model_config, run_config
 
 
+def stored_model(folder: str | Path) -> ModelConfig:
+    """The model config a run folder's ``config.json`` holds; ``ValueError`` if it holds none."""
+    file = Path(folder) / CONFIG_FILE
+    if not file.is_file():
+        raise ValueError(f"run folder {str(folder)!r} has no {CONFIG_FILE}: not an octlm run")
+    table = read_file(file).get("model")
+    known = {f.name for f in fields(ModelConfig)}
+    return model_from_dict(_checked_keys(table, known, f"config {file} [model]"))
+
+
 def model_from_dict(values: dict) -> ModelConfig:
     """A ``ModelConfig`` from JSON or TOML values (which have lists where it has tuples)."""
     if isinstance(values.get("block"), list):
@@ -221,10 +236,21 @@ def model_from_dict(values: dict) -> ModelConfig:
     return ModelConfig(**values)
 
 
+def prompt_bytes(prompt: object) -> bytes:
+    """A prompt's bytes, the model's tokens; ``ValueError`` unless it is non-empty text that
+    UTF-8 can encode (a shell hands undecodable argument bytes over as lone surrogates)."""
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+    try:
+        return prompt.encode()
+    except UnicodeEncodeError as error:
+        raise ValueError(f"prompt must be UTF-8 text, got {prompt!r} ({error.reason})") from None
+
+
 def check_compatible(model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError where the model and the run disagree."""
-    if model.vocab_size < VOCAB:
-        raise ValueError(f"byte tokens need vocab_size >= {VOCAB}, got {model.vocab_size}")
+    if model.vocab_size != VOCAB:  # a larger one could sample tokens that are no byte
+        raise ValueError(f"byte tokens need vocab_size {VOCAB}, got {model.vocab_size}")
     if run.length > model.max_length:
         raise ValueError(f"length ({run.length}) exceeds max_length ({model.max_length})")
     if run.sample_tokens and model.max_length < 2:

@@ -178,6 +178,11 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
             )  # fmt: skip
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_seen / seconds:,.0f}")
             began, tokens_seen = time.perf_counter(), 0
+        # Before the evaluation: an evaluation that fails (memory, a full disk) loses no step.
+        if step % run.checkpoint_every == 0 or final:
+            _save(
+                folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster
+            )
         if step % run.eval_every == 0 or step == run.steps:
             train_loss = cluster.total(loss).item() if train_loss is None else train_loss
             last_eval = _evaluate(model, raw, validation, autocast, run, model_config, cluster)
@@ -192,10 +197,6 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
                 )
                 plot(folder)
             began, tokens_seen = time.perf_counter(), 0  # evaluation is not training time
-        if step % run.checkpoint_every == 0 or final:
-            _save(
-                folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster
-            )
         if signalled:
             if step < run.steps:  # a signal during the last step ends nothing early
                 stopped_by = stop["signal"] or "a signal on another rank"

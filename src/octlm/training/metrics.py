@@ -1,7 +1,9 @@
 """A run's records (``RUN_DIR/metrics.jsonl``) and its loss-curve picture.
 
 One JSON object per line, appended and fsynced as it is written (docs/design.md §5), with the
-context fields every octlm record carries. Lines are of two kinds:
+context fields and the ``run`` id every octlm record carries (one id per launch: a resumed run
+writes under a new one). A diverged run's losses are NaN or infinite and are kept as such.
+Lines are of two kinds:
 
 - ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
   whole global batch), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
@@ -35,12 +37,13 @@ class Metrics:
     def __init__(self, folder: str | os.PathLike, device, enabled: bool):
         self.path = Path(folder) / METRICS
         self.enabled = enabled
-        self.context = records.context(EXPERIMENT, device) if enabled else {}
+        self.machine = records.machine(device) if enabled else {}
+        self.run = records.new_run()  # this launch's: a resumed run's records carry their own
 
     def write(self, kind: str, **fields) -> None:
         if self.enabled:
-            stamp = records.context(EXPERIMENT)["time"]
-            records.append(self.path, {**self.context, "time": stamp, "kind": kind, **fields})
+            record = records.make(kind, EXPERIMENT, self.machine, run=self.run, **fields)
+            records.append(self.path, record)
 
     def forget_after(self, step: int) -> None:
         """Drop records past ``step``: a resumed run writes those steps again."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +10,7 @@ import torch
 
 from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint
-from octlm.training.config import CONFIG_FILE, model_from_dict
+from octlm.training.config import prompt_bytes, stored_model
 from octlm.training.distributed import local_device
 
 
@@ -35,8 +34,7 @@ def generate_text(
     windows: when one is full, decoding starts again (a new KV cache) from the last
     ``max_length // 2`` bytes, as nanoGPT crops its context.
     """
-    if not prompt:
-        raise ValueError("prompt must be a non-empty string")
+    encoded = prompt_bytes(prompt)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if max_new_tokens and model.config.max_length < 2:
@@ -46,7 +44,7 @@ def generate_text(
         )
     device = next(model.parameters()).device
     limit = model.config.max_length
-    tokens = torch.tensor([list(prompt.encode())], device=device)  # (1, P)
+    tokens = torch.tensor([list(encoded)], device=device)  # (1, P)
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -67,9 +65,7 @@ def generate_text(
 def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int]:
     """The model of a run folder at its latest checkpoint, and that checkpoint's step."""
     folder = Path(folder)
-    if not (folder / CONFIG_FILE).is_file():
-        raise ValueError(f"run folder {str(folder)!r} has no {CONFIG_FILE}: not an octlm run")
-    model_config = model_from_dict(json.loads((folder / CONFIG_FILE).read_text())["model"])
+    model_config = stored_model(folder)
     path = checkpoint.latest(folder)
     if path is None:
         raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
