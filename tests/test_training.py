@@ -808,7 +808,7 @@ def test_text_generation_needs_two_positions():
 )
 def test_a_run_folder_with_a_damaged_config_is_a_clear_error(tmp_path, content):
     (tmp_path / "config.json").write_text(content)
-    with pytest.raises(ValueError, match="config|width must be a positive int"):
+    with pytest.raises(ValueError, match=r"config|width must be a positive int"):
         load_run(tmp_path)
 
 
