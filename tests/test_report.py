@@ -45,8 +45,10 @@ def test_report_from_fixture_has_claims_structure_and_plots(tmp_path):
     # The fixture's MATH takes 8e-8 s per score and FLASH 7.5e-9 s: a 10.7x speed-up.
     assert "| FLASH speed-up over MATH, float32 | 10.5× at 8,192 | 10.7× at 8,192 |" in text
     assert "unsupported in all 8 measurements" in text
-    assert "| window, forward | cpu float32 forward, 8,192 queries × 8,192 keys, window 512" in text
-    assert "| decode | cpu float32 forward, 1 query × 8,192 keys" in text
+    assert (
+        "| window, forward | cpu ×2 float32 forward, 8,192 queries × 8,192 keys, window 512" in text
+    )
+    assert "| decode | cpu ×2 float32 forward, 1 query × 8,192 keys" in text
     pictures = sorted(p.name for p in output.parent.glob("*.png"))
     assert pictures == sorted(
         f"bench-cpu-{mode}-{metric}.png"
@@ -178,12 +180,40 @@ def test_ratios_come_per_round_with_their_spread_and_fraction_of_peak(tmp_path):
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
     # rounds: 1.2, 1.5, 1.3 -> median 1.3
     assert (
-        "| cpu forward float32 8,192 | tiled ÷ FLASH | 1.3× (1.2–1.5, 3 rounds) | 25% | 50% |"
+        "| cpu ×2 forward float32 8,192 | tiled ÷ FLASH | 1.3× (1.2–1.5, 3 rounds) | 25% | 50% |"
         in text
     )
     assert "120 GFLOP/s over 1 run(s)" in text
     # the "every measurement" table shows the median of the rounds: FLASH 0.5, tiled 0.65
     assert "| 8,192 | 500.0 ms, 1 MiB | 650.0 ms, 1 MiB |" in text
+
+
+def test_records_of_two_thread_counts_are_two_measurements_never_a_pair(tmp_path):
+    """The same measurement on 1 and on 2 threads: neither replaces the other, each has its own
+    table, and the claims set FLASH's time against tiled's of its own thread count."""
+    found = [timed("flash", 0.5), timed("tiled", 0.6)]
+    one = {**timed("tiled", 2.0), "threads": 1, "run": "r1"}
+    text = write_report(
+        [write(tmp_path / "b.jsonl", [*found, one])], tmp_path / "report.md"
+    ).read_text()
+    assert ": 3 benchmark measurements" in text
+    assert "**cpu ×2, forward, float32**" in text and "**cpu ×1, forward, float32**" in text
+    assert "(a sketch, not timed) | time 1.2× FLASH" in text  # 0.6 / 0.5, both on 2 threads
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"q_len": None}, {"block": 128}, {"cpu_seconds": "1"}, {"round": [1]}, {"run": 5},
+        {"padding": "0.5"}, {"window": None}, {"seconds_median": 0}, {"causal": 1},
+    ],
+    ids=str,
+)  # fmt: skip
+def test_a_hand_edited_record_of_the_wrong_type_is_skipped_and_named(tmp_path, edit):
+    found = [timed("flash", 0.5), {**timed("tiled", 0.6), **edit}]
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert ": 1 benchmark measurements" in text
+    assert f"line 2: bench record field {next(iter(edit))!r} must be" in text
 
 
 def test_measurements_on_a_busy_machine_are_flagged(tmp_path):
@@ -194,7 +224,7 @@ def test_measurements_on_a_busy_machine_are_flagged(tmp_path):
         records.make("peak", "test", MACHINE, run="r", gflops=40.0, load_before=3.0, cpus=2),
     ]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert "2 of the measurements were taken while the machine was busy (for example load " in text
+    assert "2 of 3 idle measurements (rounds counted one by one) were taken while the machine" in text
     assert "| 8,192 | 500.0 ms, 1 MiB † | 5.00 s, 1 MiB | 600.0 ms, 1 MiB † |" in text
     assert "| tiled ÷ FLASH | 1.2× (1 round) | — | 150% † | 1 of 1 |" in text
     assert "1 of 1 probe(s) ran busy (load 3.00 on 2 CPUs)" in text
@@ -218,7 +248,7 @@ def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):
             found += [timed(backend, idle, round), timed(backend, busy, round, busy=True)]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
     # tiled grows 3x and 4x, FLASH 2x: relative growth 1.5 and 2 against the target 1.1
-    row = "| cpu forward float32 8,192 | 3.5× (3–4, 2 rounds) | 2× (2–2, 2 rounds) |"
+    row = "| cpu ×2 forward float32 8,192 | 3.5× (3–4, 2 rounds) | 2× (2–2, 2 rounds) |"
     assert row + " 1.75× (1.5–2, 2 rounds) | no |" in text
     # busy measurements stay out of the idle tables
     assert "| 8,192 | 400.0 ms, 1 MiB | 600.0 ms, 1 MiB |" in text
@@ -268,9 +298,9 @@ def test_records_that_differ_in_feature_or_tiles_never_pair(tmp_path):
         {**timed("tiled", 2.2), "feature": "softcap"},
     ]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert "| cpu forward float32 8,192 | tiled ÷ FLASH | 2× (1 round) |" in text
-    assert "| cpu forward float32 8,192 | tiled 16×16 ÷ FLASH | 10× (1 round) |" in text
-    assert "| cpu forward float32 8,192, softcap | tiled ÷ FLASH | 1.1× (1 round) |" in text
+    assert "| cpu ×2 forward float32 8,192 | tiled ÷ FLASH | 2× (1 round) |" in text
+    assert "| cpu ×2 forward float32 8,192 | tiled 16×16 ÷ FLASH | 10× (1 round) |" in text
+    assert "| cpu ×2 forward float32 8,192, softcap | tiled ÷ FLASH | 1.1× (1 round) |" in text
     # the table of plain measurements keeps the softcap runs out and the tilings apart
     assert "| 8,192 | 500.0 ms, 1 MiB | 1.00 s, 1 MiB | 5.00 s, 1 MiB |" in text
 

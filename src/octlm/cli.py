@@ -207,7 +207,7 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
         print(write_report(args.paths or None, args.output))
         return 0
 
-    parser.set_defaults(run=run, exits={FileNotFoundError: 2, ValueError: 2})
+    parser.set_defaults(run=run, exits={FileNotFoundError: 2, ValueError: 2, OSError: 1})
 
 
 # --- octlm train, octlm sample ---------------------------------------------------------------

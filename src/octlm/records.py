@@ -30,6 +30,7 @@ import torch
 KINDS = ("bench", "ring", "peak", "verify", "train_step", "eval", "check")
 MACHINE = ("torch", "device", "threads", "host_cpu")
 NUMBER = (int, float)
+SOME_NUMBER = (int, float, type(None))  # a figure that may not have been taken
 # What a record of each kind must carry for a report to read it: field -> accepted types.
 # ``None`` is accepted only where the tuple names it (a failed measurement has no time).
 REQUIRED: dict[str, dict[str, tuple]] = {
@@ -41,6 +42,17 @@ REQUIRED: dict[str, dict[str, tuple]] = {
     "eval": {"step": (int,), "val_loss": NUMBER},
     "check": {"experiment": (str,)},  # a side measurement README quotes; the report skips it
 }
+# A benchmark record's shape and load: a field it has must be of its type (a record written
+# before the field existed reads as the default, so absence is allowed, but not ``null`` where
+# the type does not name it).
+SHAPED = {
+    "dtype": (str,), "batch": (int,), "heads": (int,), "kv_heads": (int,), "head_size": (int,),
+    "q_len": (int,), "causal": (bool,), "window": (int,), "padding": NUMBER,
+    "block": (list, type(None)), "busy": (bool,), "feature": (str, type(None)),
+    "round": (int,), "run": (str, type(None)), "threads": (int, type(None)),
+    **dict.fromkeys(("cpu_seconds", "wall_seconds", "load_before", "load_after"), SOME_NUMBER),
+    "cpus": (int, type(None)),
+}  # fmt: skip
 # A training run's records: a diverged run's losses are NaN or infinite, and that is what it did.
 TRAINING = ("train_step", "eval")
 # Fields an ``ok`` measurement must carry as numbers.
@@ -132,8 +144,14 @@ def check_writable(path: str | os.PathLike, option: str) -> Path:
         raise ValueError(f"{option} {str(path)!r} cannot be written: {error.strerror}") from None
     if path.is_dir():
         raise ValueError(f"{option} {str(path)!r} cannot be written: it is a folder")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise ValueError(f"{option} {str(path)!r} cannot be written: permission denied")
+    existed = path.exists()
+    try:  # opened, not asked (os.access says yes to root even where writing fails, as in /proc)
+        with path.open("ab"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {str(path)!r} cannot be written: {error.strerror}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return path
 
 
@@ -243,4 +261,13 @@ def _invalid(record) -> str | None:
             return f"{kind} record field {name!r} must be {expected}, got {value!r}"
         if isinstance(value, float) and not math.isfinite(value) and kind not in TRAINING:
             return f"{kind} record field {name!r} must be finite, got {value!r}"
+    if kind in ("bench", "peak"):
+        for name, types in SHAPED.items():
+            value = record.get(name, types[0]())  # absent: as a record from before the field
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                expected = " or ".join(t.__name__ for t in types)
+                return f"{kind} record field {name!r} must be {expected}, got {value!r}"
+    positive = {"bench": "seconds_median", "peak": "gflops"}.get(kind)
+    if positive in record and record.get("status", "ok") == "ok" and not record[positive] > 0:
+        return f"{kind} record field {positive!r} must be > 0, got {record[positive]!r}"
     return None

@@ -142,7 +142,7 @@ def run(
     except (KeyboardInterrupt, guard.Stopped) as stop:
         code = 128 + stop.signum if isinstance(stop, guard.Stopped) else INTERRUPTED
         print(
-            f"octlm bench: {stop or 'interrupted'}; finished records kept in {output}",
+            f"octlm bench: {str(stop) or 'interrupted'}; finished records kept in {output}",
             file=sys.stderr,
         )
         return code
@@ -192,6 +192,12 @@ def _peak(experiment: str, run: str, busy: bool, timeout: float) -> dict:
     )
     try:
         stdout, stderr = worker.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(worker)
+        raise RuntimeError(
+            f"the matmul probe took longer than --timeout {timeout:g} s: raise --timeout, or "
+            "leave the probe out with --no-peak"
+        ) from None
     except BaseException:
         _kill(worker)
         raise

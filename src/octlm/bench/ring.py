@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec['backend']} W={world} {mode}: {summary}", flush=True)
     except (KeyboardInterrupt, guard.Stopped) as stop:
         print(
-            f"octlm.bench.ring: {stop or 'interrupted'}; records kept in {args.output}",
+            f"octlm.bench.ring: {str(stop) or 'interrupted'}; records kept in {args.output}",
             file=sys.stderr,
         )
         return 128 + stop.signum if isinstance(stop, guard.Stopped) else 130

@@ -106,11 +106,14 @@ def _sources(found: Collected) -> list[str]:
         f"- **{device}**: host CPU {cpu}, {threads} threads, torch {torch}"
         for device, cpu, threads, torch in machines
     ] or ["- no benchmark records: every benchmark figure below is " + NOT_MEASURED]
-    flagged = [r for r in found.rounds.values() if r["status"] == "ok" and busy(r)]
+    # --busy's own rounds are busy by design: only an idle one that was not is worth a mark.
+    idle = [r for r in found.rounds.values() if r["status"] == "ok" and not r.get("busy")]
+    flagged = [r for r in idle if busy(r)]
     if flagged:
         lines += [
-            f"- {len(flagged)} of the measurements were taken while the machine was busy "
-            f"(for example {busy(flagged[0])}); they are marked †."
+            f"- {len(flagged)} of {len(idle)} idle measurements (rounds counted one by one) were "
+            f"taken while the machine was busy (for example {busy(flagged[0])}); they are "
+            "marked †."
         ]
     return [
         *lines,

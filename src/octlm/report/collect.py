@@ -25,7 +25,7 @@ class Collected:
     """The records of some files, by kind."""
 
     paths: list[Path]
-    rounds: dict[tuple, dict] = field(default_factory=dict)  # (device, key, round) -> bench
+    rounds: dict[tuple, dict] = field(default_factory=dict)  # (machine, key, round) -> bench
     ring: list[dict] = field(default_factory=list)
     peaks: list[dict] = field(default_factory=list)
     verify: list[dict] = field(default_factory=list)
@@ -52,7 +52,7 @@ def collect(paths: Iterable[str | os.PathLike]) -> Collected:
         for record in records.read(path, found.skipped):
             kind = record["kind"]
             if kind == "bench":
-                place = (record.get("device"), key_of(record), record.get("round", 1))
+                place = (machine_of(record), key_of(record), record.get("round", 1))
                 if place not in found.rounds or _replaces(record, found.rounds[place]):
                     found.rounds[place] = record
             elif kind == "ring":
@@ -65,6 +65,19 @@ def collect(paths: Iterable[str | os.PathLike]) -> Collected:
                 found.train.append({**record, "source": str(path)})
     found.verify = latest_runs(verify)
     return found
+
+
+def where(record: dict) -> str:
+    """Where a measurement ran, as the report's tables name it: the device, and on CPU its
+    threads (``cpu ×2``). Two thread counts are two measurements, never one that replaces the
+    other, nor a pair; :func:`machine_of` also keeps apart other CPUs and torch versions."""
+    device, threads = str(record.get("device")), record.get("threads")
+    return f"{device} ×{threads}" if device == "cpu" and threads else device
+
+
+def machine_of(record: dict) -> tuple:
+    """A record's machine: :func:`where`, the host CPU and the torch version."""
+    return where(record), record.get("host_cpu"), record.get("torch")
 
 
 def _replaces(new: dict, old: dict) -> bool:
@@ -91,7 +104,7 @@ def measurements(found: Iterable[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for record in found:
         if not record.get("busy"):
-            groups.setdefault((record.get("device"), key_of(record)), []).append(record)
+            groups.setdefault((machine_of(record), key_of(record)), []).append(record)
     out = []
     for group in groups.values():
         ok = [r for r in group if r["status"] == "ok"]

@@ -3,7 +3,7 @@ and shape, with the measurements taken while the machine was busy marked."""
 
 from __future__ import annotations
 
-from octlm.report.collect import backend_label, plain
+from octlm.report.collect import backend_label, plain, where
 from octlm.report.format import NOT_MEASURED, cell, table
 
 PLAIN_SHAPE = ("device", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "causal")
@@ -14,7 +14,7 @@ def _series(rows: list[dict]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if plain(r):
-            shape = tuple(r.get(name) for name in PLAIN_SHAPE)
+            shape = (where(r), *(r.get(name) for name in PLAIN_SHAPE[1:]))  # device: threads too
             groups.setdefault(shape, []).append(r)
     return groups
 

@@ -9,14 +9,24 @@ from octlm.bench.suites import BACKENDS
 from octlm.report.collect import backend_label, plain
 from octlm.report.format import MiB
 
-# A backend keeps its colour and a dtype its line style.
+# A backend keeps its colour, a dtype its line style and a shape its marker.
 LINESTYLES = {"float32": "-", "bfloat16": "--", "float16": "-.", "float64": ":"}
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# What besides backend and dtype makes two points one line: never two shapes joined.
+LINE_SHAPE = ("batch", "heads", "kv_heads", "head_size", "causal", "threads")
+
+
+def _shape_label(shape: tuple) -> str:
+    batch, heads, kv_heads, head_size, causal, threads = shape
+    text = f", B={batch} H={heads}/{kv_heads} D={head_size}"
+    return text + ("" if causal else " full") + (f" ×{threads}" if threads else "")
 
 
 def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
     """Log-log time and extra memory against length, one figure per device, mode and metric.
 
-    One line per backend and dtype (and head size where several). Returns the file names.
+    One line per backend, dtype and shape (batch, heads, head size, causal, threads; named in
+    the legend where the figure has several). Returns the file names.
     """
     import matplotlib
 
@@ -26,25 +36,26 @@ def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
     figures: dict[tuple, dict[tuple, list[dict]]] = {}
     for r in rows:
         if plain(r) and r["status"] == "ok":
-            line = (backend_label(r), r["dtype"], r.get("head_size"))
+            shape = tuple(r.get(name) for name in LINE_SHAPE)
+            line = (backend_label(r), r["dtype"], shape)
             figures.setdefault((r.get("device"), r["mode"]), {}).setdefault(line, []).append(r)
     names = []
     for (device, mode), lines in sorted(figures.items(), key=str):
-        several_sizes = len({size for *_, size in lines}) > 1
+        shapes = sorted({shape for *_, shape in lines}, key=str)  # one linestyle each
         for metric, field, unit, axis in (
             ("time", "seconds_median", 1, "median seconds"),
             ("memory", "extra_bytes", MiB, "extra MiB (peak - baseline)"),
         ):
             figure, ax = plt.subplots(figsize=(6.4, 4.4))
-            for (backend, dtype, size), points in sorted(lines.items(), key=str):
+            for (backend, dtype, shape), points in sorted(lines.items(), key=str):
                 points = sorted(
                     (p for p in points if (p.get(field) or 0) > 0), key=lambda p: p["length"]
                 )
-                label = f"{backend} {dtype}" + (f", D={size}" if several_sizes else "")
+                label = f"{backend} {dtype}" + (_shape_label(shape) if len(shapes) > 1 else "")
                 ax.plot(
                     [p["length"] for p in points],
                     [p[field] / unit for p in points],
-                    marker="o",
+                    marker=MARKERS[shapes.index(shape) % len(MARKERS)],
                     label=label,
                     color=f"C{BACKENDS.index(backend) if backend in BACKENDS else 9}",
                     linestyle=LINESTYLES.get(dtype, ":"),

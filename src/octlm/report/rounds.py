@@ -14,7 +14,7 @@ import statistics
 
 from octlm.attention.tiled import DEFAULT_BLOCK
 from octlm.bench.suites import KEY_FIELDS
-from octlm.report.collect import Collected, backend_label, busy
+from octlm.report.collect import Collected, backend_label, busy, where
 from octlm.report.format import BUSY_MARK, NOT_MEASURED, spread, table
 
 # Contention target: (tiled busy / tiled idle) <= CONTENTION_TARGET * (FLASH busy / FLASH idle).
@@ -22,7 +22,7 @@ CONTENTION_TARGET = 1.1
 
 
 def _names(field: str) -> list[str]:
-    """What makes two measurements of one round comparable: the device and every field of the
+    """What makes two measurements of one round comparable: where they ran and every field of the
     measurement's key but ``field``; comparing backends, tiled's tile goes with the backend
     (:func:`backend_label`), since the other backends have none."""
     varied = (field, "block") if field == "backend" else (field,)
@@ -35,14 +35,15 @@ def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, 
     ``bottom``. Records of different runs never pair, even under one round number."""
     names = _names(field)
     rounds: dict[tuple, dict] = {}
-    for (device, key, round), record in found.rounds.items():
+    for (machine, key, round), record in found.rounds.items():
         if record["status"] == "ok":
-            shape = {"device": device, **dict(zip(KEY_FIELDS, key, strict=True))}
+            shape = {"device": where(record), **dict(zip(KEY_FIELDS, key, strict=True))}
             value = backend_label(record) if field == "backend" else shape[field]
             rest = tuple(shape[name] for name in names)
-            rounds.setdefault((rest, record.get("run"), round), {})[value or False] = record
+            place = (rest, machine, record.get("run"), round)
+            rounds.setdefault(place, {})[value or False] = record
     out: dict[tuple, list[tuple[dict, dict]]] = {}
-    for (rest, _run, _round), by in sorted(rounds.items(), key=str):
+    for (rest, _machine, _run, _round), by in sorted(rounds.items(), key=str):
         if bottom in by:
             for value, record in by.items():
                 if value != bottom:
@@ -164,9 +165,9 @@ def _dtypes(found: Collected) -> list[str]:
     body = []
     for shape, dtype, found_pairs in longest(pairs(found, "dtype", "float32"), "dtype"):
         ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
-        where = _describe({**shape, "dtype": dtype}).replace(f" {dtype}", "")
+        shown = _describe({**shape, "dtype": dtype}).replace(f" {dtype}", "")
         body.append([
-            f"{shape['device']} {shape['backend']} {where}", f"{dtype} ÷ float32", spread(ratios),
+            f"{shape['device']} {shape['backend']} {shown}", f"{dtype} ÷ float32", spread(ratios),
             _flagged(found_pairs),
         ])  # fmt: skip
     header = ["Backend and shape", "Ratio", "Median (min–max, rounds)", "Rounds on a busy machine"]

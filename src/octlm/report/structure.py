@@ -5,7 +5,7 @@ the mask."""
 
 from __future__ import annotations
 
-from octlm.report.collect import backend_label
+from octlm.report.collect import backend_label, where
 from octlm.report.format import NOT_MEASURED, cell, is_ok, ratio, table
 
 # The targets: (ratio, its bound or None for none, True when the ratio must be at least the
@@ -58,7 +58,7 @@ def section(rows: list[dict]) -> list[str]:
     for r in rows:
         case = _case(r)
         if case in groups:
-            shape = tuple(r.get(name) for name in (*STRUCTURE_SHAPE, *OTHER_SHAPE))
+            shape = (where(r), *(r.get(name) for name in (*STRUCTURE_SHAPE[1:], *OTHER_SHAPE)))
             groups[case].setdefault(shape, {})[backend_label(r)] = r
     body = []
     for case, (ratio_name, target, at_least) in TARGETS.items():
@@ -68,11 +68,11 @@ def section(rows: list[dict]) -> list[str]:
         for shape, by in sorted(groups[case].items(), key=str):
             device, mode, dtype, q_len, length, window, padding = shape[: len(STRUCTURE_SHAPE)]
             queries = "1 query" if q_len == 1 else f"{q_len:,} queries"
-            where = f"{device} {dtype} {mode}, {queries} × {length:,} keys"
-            where += f", window {window}" if window else ""
-            where += f", padding {padding:g}" if padding else ""
+            described = f"{device} {dtype} {mode}, {queries} × {length:,} keys"
+            described += f", window {window}" if window else ""
+            described += f", padding {padding:g}" if padding else ""
             other = dict(zip(OTHER_SHAPE, shape[len(STRUCTURE_SHAPE) :], strict=True))
-            where += "".join(
+            described += "".join(
                 f", {name} {value}" for name, value in other.items() if value != OTHER_SHAPE[name]
             )
             cells = [cell(by.get(name)) for name in ("tiled", "flash", "math")]
@@ -85,7 +85,7 @@ def section(rows: list[dict]) -> list[str]:
                 shown = f"{ratio_name} {ratio(value)}"
                 if target is not None:
                     met = "yes" if (value >= target if at_least else value <= target) else "no"
-            body.append([case, where, *cells, shown, wanted, met])
+            body.append([case, described, *cells, shown, wanted, met])
     header = ["Case", "Shape", "tiled", "FLASH (dense mask)", "MATH", "Ratio", "Target", "Met"]
     return [
         "Speed-up is the SDPA FLASH time (dense mask) ÷ the tiled time; slowdown is its "

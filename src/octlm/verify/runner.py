@@ -52,17 +52,18 @@ def run(
     progress: bool = True,
 ) -> tuple[list[dict], list[Path]]:
     """Run the experiments, appending each record to ``out/<date>-<experiment>.jsonl`` (UTC
-    date) as soon as it is computed; a progress bar per experiment goes to stderr.
+        date) as soon as it is computed; a progress bar per experiment goes to stderr.
 
-    Every record of one call carries the same fresh ``run`` id, so a report over a folder
-    that holds several runs counts only each experiment's latest. Returns every record and
-    the files written. ``dtypes`` (names in :data:`DTYPES`) default to
-    :func:`default_dtypes`; ``experiments`` to all of :data:`EXPERIMENTS`, in order. Every
-    file is checked writable before the first check runs (``ValueError`` if not).
+        Every record of one call carries the same fresh ``run`` id, so a report over a folder
+        that holds several runs counts only each experiment's latest. Returns every record and
+        the files written. ``dtypes`` (names in :data:`DTYPES`) default to
+        :func:`default_dtypes`; ``experiments`` to all of :data:`EXPERIMENTS`, in order (a name
+    given twice runs once). Every
+        file is checked writable before the first check runs (``ValueError`` if not).
     """
     check_options(device, dtypes or (), experiments or ())
-    dtypes = default_dtypes(device) if dtypes is None else tuple(dtypes)
-    experiments = list(EXPERIMENTS) if experiments is None else list(experiments)
+    dtypes = default_dtypes(device) if dtypes is None else tuple(dict.fromkeys(dtypes))
+    experiments = list(EXPERIMENTS if experiments is None else dict.fromkeys(experiments))
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     paths = [
         records.check_writable(Path(out) / f"{date}-{name}.jsonl", "output folder (--out)")
