@@ -4,7 +4,10 @@ generations and training curve as the naive reference (docs/design.md §3-4)."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -466,23 +469,42 @@ def test_a_call_that_fails_part_way_leaves_a_windowed_cache_as_it_was(chunk):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, 9:], rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("attention", IMPLEMENTATIONS)
-def test_a_compiled_model_gives_the_eager_logits_and_gradients(attention):
-    """torch.compile traces the model; tiled's block loop (Python over tile bounds) is a graph
-    break, run eagerly. On one thread it used to be traced and crash dynamo. The "eager"
-    backend keeps the test fast: the tracing is what is checked."""
+COMPILED = """
+import torch, torch.nn.functional as F
+from dataclasses import replace
+from tests.test_model import SMALL, logits_and_grads, same_weights, tokens_for
+torch.set_num_threads(1)
+for attention in ("naive", "sdpa", "tiled"):
     config = replace(SMALL, n_kv_heads=2, attention=attention)
-    model = same_weights(config, torch.float64)["naive" if attention == "naive" else attention]
+    model = same_weights(config, torch.float64)[attention]
     tokens = tokens_for(2, 40)
     logits, grads = logits_and_grads(model, tokens)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager")
-    compiled_logits = compiled(tokens[:, :-1])
-    loss = F.cross_entropy(compiled_logits.flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    torch.testing.assert_close(compiled_logits, logits, rtol=0, atol=1e-12)
+    compiled = torch.compile(model, backend="eager")(tokens[:, :-1])
+    F.cross_entropy(compiled.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    torch.testing.assert_close(compiled, logits, rtol=0, atol=1e-12)
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.grad, grads[name], rtol=0, atol=1e-12)
+"""
+
+
+def test_a_compiled_model_gives_the_eager_logits_and_gradients():
+    """torch.compile traces the model; tiled's block loop (Python over tile bounds) is a graph
+    break, run eagerly. On one thread it used to be traced and crash dynamo. The "eager"
+    backend keeps the test fast: the tracing is what is checked. In a process of its own:
+    dynamo imports Triton, which tests/test_triton.py must import first, for its interpreter."""
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILED], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_importing_octlm_imports_neither_dynamo_nor_triton():
+    """Both cost seconds, and Triton imported for a GPU keeps its CPU interpreter off."""
+    code = "import sys, octlm; print(sorted({'torch._dynamo', 'triton'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]
 
 
 def test_kv_heads_default_to_heads():
@@ -594,8 +616,6 @@ def test_training_is_reproducible_and_the_same_for_every_implementation():
 def test_a_model_file_of_the_first_format_still_loads():
     """tests/fixtures/model-format-1.pt was saved by octlm before training checkpoints had
     their own checksum: its flat checksum still matches, and it holds the seed-0 model."""
-    from pathlib import Path
-
     path = Path(__file__).parent / "fixtures" / "model-format-1.pt"
     loaded = OctLM.load(path)
     torch.manual_seed(0)

@@ -620,13 +620,19 @@ def _block_steps(steps: Callable) -> Callable:
     trace as symbols and fail on: in a compiled model they are a graph break, run as written.
     """
 
-    @torch.compiler.disable
-    @functools.wraps(steps)
-    def run(query: Tensor, *args, **kwargs):
+    def eager(query: Tensor, *args, **kwargs):
         if not torch.is_autocast_enabled(query.device.type):
             return steps(query, *args, **kwargs)
         with torch.autocast(query.device.type, enabled=False):
             return steps(query, *args, **kwargs)
+
+    @functools.wraps(steps)
+    def run(query: Tensor, *args, **kwargs):
+        # Marked at the call, not at import: torch.compiler.disable imports dynamo (seconds,
+        # and Triton with it), which a plain ``import octlm`` should not pay for.
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(eager)(query, *args, **kwargs)
+        return eager(query, *args, **kwargs)
 
     return run
 
