@@ -19,7 +19,7 @@ LINE_SHAPE = ("batch", "heads", "kv_heads", "head_size", "causal", "threads")
 def _shape_label(shape: tuple) -> str:
     batch, heads, kv_heads, head_size, causal, threads = shape
     text = f", B={batch} H={heads}/{kv_heads} D={head_size}"
-    return text + ("" if causal else " full") + (f" ×{threads}" if threads else "")
+    return text + ("" if causal else " full") + (f", {threads} threads" if threads else "")
 
 
 def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
