@@ -191,6 +191,18 @@ def test_resume_skips_settled_measurements_and_reruns_failed_ones(tmp_path, fake
     assert fake_spawn == []
 
 
+def test_a_resume_goes_on_with_the_run_it_resumes(tmp_path, fake_probe, fake_spawn):
+    """Its records take the interrupted run's id, so the report pairs them with that run's."""
+    output = tmp_path / "bench.jsonl"
+    assert driver.run(tiny("flash"), output, peak=False) == 0
+    assert driver.run(tiny("flash", "tiled"), output, resume=True, peak=False) == 0
+    assert [m.backend for _, m in fake_spawn] == ["flash", "tiled"]
+    runs = [record["run"] for record in records.read(output)]
+    assert len(runs) == 2 and runs[0] == runs[1] and runs[0]
+    assert driver.run(tiny("flash"), output, peak=False) == 0  # a fresh run: a fresh id
+    assert records.read(output)[-1]["run"] != runs[0]
+
+
 def test_resume_after_a_torn_last_line_keeps_the_next_record(tmp_path, fake_probe, fake_spawn):
     """A run killed mid-write leaves half a line; the resumed run's first record must start on
     a line of its own (it used to be glued to the fragment and lost), and reading says what

@@ -104,7 +104,7 @@ def run(
         raise ValueError(f"rounds (--rounds) must be an integer >= 1, got {rounds!r}")
     records.check_writable(output, "output (--output)")
     probes = {device: _probe(device) for device in sorted({m.device for m in measurements})}
-    done = recorded(output) if resume else set()
+    done, previous = recorded(output) if resume else (set(), None)
     todo = [
         (round, m)
         for round in range(1, rounds + 1)
@@ -117,7 +117,9 @@ def run(
         + (f" ({total - len(todo)} already recorded)" if resume else ""),
         file=sys.stderr,
     )
-    run_id = records.new_run()
+    # A resume goes on with the run it resumes, so that its rounds pair with what that run
+    # measured before the interruption.
+    run_id = previous or records.new_run()
     competitor = Competitor()
     try:
         with guard.stop_on_signals(), competitor:
@@ -157,19 +159,21 @@ def _alternate(measurements: list[Measurement], round: int) -> list[Measurement]
     return [m for _, group in groups for m in [*group][::-1]]
 
 
-def recorded(output: str | os.PathLike) -> set[tuple]:
-    """``(device, measurement key, round)`` of the settled records already in ``output``."""
+def recorded(output: str | os.PathLike) -> tuple[set[tuple], str | None]:
+    """``(device, measurement key, round)`` of the settled records already in ``output``, and
+    the run id of its last benchmark record (``None`` if it has none)."""
     if not Path(output).exists():
-        return set()
+        return set(), None
     skipped: list[records.Skipped] = []
-    found = records.read(output, skipped)
+    found = [r for r in records.read(output, skipped) if r["kind"] == "bench"]
     for note in skipped:
         print(f"octlm bench: {note}", file=sys.stderr)
-    return {
+    done = {
         (record.get("device"), key_of(record), record.get("round", 1))
         for record in found
-        if record["kind"] == "bench" and record["status"] in SETTLED
+        if record["status"] in SETTLED
     }
+    return done, found[-1].get("run") if found else None
 
 
 def _probe(device: str) -> dict:
