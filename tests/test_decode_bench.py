@@ -49,8 +49,37 @@ def test_records_carry_context_load_and_every_stage(tmp_path):
     assert all(r["tokens"] == decoded[0]["tokens"] for r in decoded)
 
 
-def test_unwritable_output_fails_before_measuring(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    with pytest.raises(OSError):
-        bench.main(["--contexts", "8", "--output", str(blocker / "decode.jsonl")])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--output", "{tmp}/file/decode.jsonl"], "--output '"),
+        (["--output", "{tmp}"], "it is a folder"),
+        (["--kv-heads", "3"], "--kv-heads or --block: n_heads (8) must be a multiple"),
+    ],
+)
+def test_bad_arguments_fail_in_one_line_before_measuring(tmp_path, capsys, arguments, message):
+    (tmp_path / "file").write_text("")
+    arguments = [a.format(tmp=tmp_path) for a in arguments]
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--contexts", "8", *arguments])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--documents", "0"], "--documents: must be an int >= 1, got 0"),
+        (["--modes", "bogus"], "invalid choice: 'bogus'"),
+        (["--documents", "300"], "--documents (300) cannot exceed --length (256)"),
+        (["--output", "{tmp}"], "it is a folder"),
+    ],
+)
+def test_documents_benchmark_refuses_bad_arguments(tmp_path, capsys, arguments, message):
+    from octlm.bench import documents
+
+    arguments = [a.format(tmp=tmp_path) for a in arguments]
+    with pytest.raises(SystemExit) as stop:
+        documents.main(["--length", "256", "--no-flex", *arguments])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err

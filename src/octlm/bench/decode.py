@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -240,12 +241,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args(argv)
     args.block = tuple(args.block)
-    ModelConfig(n_kv_heads=args.kv_heads, block=args.block)  # a bad size fails here
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("a"):  # an unwritable output fails now, not after the measurements
-        pass
+    try:
+        ModelConfig(n_kv_heads=args.kv_heads, block=args.block)  # a bad size fails here
+    except ValueError as error:
+        parser.error(f"--kv-heads or --block: {error}")
+    try:  # an unwritable output fails now, not after the measurements
+        records.check_writable(args.output, "--output")
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
-    print(report(run(args)))
+    try:
+        print(report(run(args)))
+    except KeyboardInterrupt:
+        print(f"interrupted; the finished records are in {args.output}", file=sys.stderr)
+        sys.exit(130)
+    except OSError as error:
+        sys.exit(f"cannot write the records: {error}")
 
 
 if __name__ == "__main__":

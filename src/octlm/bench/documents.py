@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from octlm import records
 from octlm.attention import block_mask, sdpa_attention, tiled_attention
 from octlm.attention.block_masks import document_mod
+from octlm.bench.decode import positive_int
 
 EXPERIMENT = "bench-documents"
 OUTPUT = Path("runs") / "bench-documents-cpu.jsonl"
@@ -114,15 +115,17 @@ def measure(calls: dict, rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--length", type=int, default=8192)
-    parser.add_argument("--documents", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-size", type=int, default=32)
+    parser.add_argument("--length", type=positive_int, default=8192)
+    parser.add_argument("--documents", type=positive_int, default=8)
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--head-size", type=positive_int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3)")
-    parser.add_argument("--modes", nargs="+", default=["forward", "train"])
+    parser.add_argument(
+        "--modes", nargs="+", choices=["forward", "train"], default=["forward", "train"]
+    )
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads", type=positive_int, default=None,
         help="intra-op threads (default: torch's); on a shared, oversubscribed machine 1 "
         "keeps thread synchronisation out of the figures",
     )  # fmt: skip
@@ -130,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 3:
         parser.error(f"--rounds must be at least 3 for a median and a spread, got {args.rounds}")
+    if args.documents > args.length:
+        parser.error(f"--documents ({args.documents}) cannot exceed --length ({args.length})")
+    try:  # the records are written at the end, after every round: check now that they can be
+        records.check_writable(args.output, "--output")
+    except ValueError as error:
+        parser.error(str(error))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
