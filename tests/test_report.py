@@ -163,6 +163,17 @@ def test_a_missing_records_file_is_a_clear_error(where, tmp_path, capsys):
     assert "octlm report: no records file" in err and where in err and "Traceback" not in err
 
 
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    import octlm.report
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(octlm.report, "write_report", interrupted)
+    assert main(["report", str(FIXTURE), "--output", str(tmp_path / "r.md")]) == 130
+    assert capsys.readouterr().err == "octlm report: interrupted\n"
+
+
 def test_an_output_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["report", str(FIXTURE), "--output", str(tmp_path / "file" / "r.md")]) == 2

@@ -100,6 +100,15 @@ def test_documents_go_whole_to_one_split_by_path_hash(corpus, tmp_path):
         assert summary[f"{split}_bytes"] == len(expected)
 
 
+def test_a_file_name_that_is_not_utf8_gets_a_place_in_the_split():
+    """Its bytes are hashed as they are; UTF-8 names keep the place they always had."""
+    odd = Path(os.fsdecode(b"src/f\xff.txt"))
+    assert 0 <= data.path_fraction(odd) < 1
+    named = Path("src/é.txt")
+    digest = hashlib.sha256("src/é.txt".encode()).digest()
+    assert data.path_fraction(named) == int.from_bytes(digest[:8], "big") / 2**64
+
+
 def test_split_does_not_depend_on_where_the_corpus_lies(corpus, tmp_path):
     moved = write_corpus(tmp_path / "elsewhere" / "copy")
     first = data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "a")

@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one verb. An error it expects (``exits``: a bad option or input, 2 by default; a
-    full disk, 1) is one line on stderr and that exit status, never a traceback."""
+    full disk, 1) is one line on stderr and that exit status, never a traceback; so is Ctrl-C
+    (130) where the verb does not say more itself."""
     args = build_parser().parse_args(argv)
     exits = getattr(args, "exits", {ValueError: 2})
     try:
@@ -326,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     except tuple(exits) as error:
         print(f"octlm {args.command}: {error}", file=sys.stderr)
         return next(code for kind, code in exits.items() if isinstance(error, kind))
+    except KeyboardInterrupt:  # one the verb does not handle itself (while it starts up)
+        print(f"octlm {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def find_documents(path: str | os.PathLike, glob: str) -> list[Path]:
 
 def path_fraction(relative: Path) -> float:
     """A document's place in [0, 1): the hash of its path relative to the corpus root."""
-    digest = hashlib.sha256(relative.as_posix().encode()).digest()
+    # fsencode: a name that is not UTF-8 hashes as its own bytes (UTF-8 ones as before)
+    digest = hashlib.sha256(os.fsencode(relative.as_posix())).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
@@ -142,6 +143,8 @@ def _write_splits(path, documents, validation, summary, temporary) -> dict:
                 split = "val" if document.relative_to(path) in validation else "train"
                 parts = {split: text}
             for split, part in parts.items():
+                if not part:  # a file too short to hold out a tail: no document there
+                    continue
                 starts[split].append(summary[f"{split}_bytes"])
                 outputs[split].write(part)
                 summary[f"{split}_documents"] += 1
