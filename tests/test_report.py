@@ -217,6 +217,7 @@ def test_records_of_two_thread_counts_are_two_measurements_never_a_pair(tmp_path
     [
         {"q_len": None}, {"block": 128}, {"cpu_seconds": "1"}, {"round": [1]}, {"run": 5},
         {"padding": "0.5"}, {"window": None}, {"seconds_median": 0}, {"causal": 1},
+        {"status": "weird"},
     ],
     ids=str,
 )  # fmt: skip

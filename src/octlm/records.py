@@ -53,6 +53,8 @@ SHAPED = {
     **dict.fromkeys(("cpu_seconds", "wall_seconds", "load_before", "load_after"), SOME_NUMBER),
     "cpus": (int, type(None)),
 }  # fmt: skip
+# What a measurement can end as (bench and ring records).
+STATUSES = ("ok", "skipped", "unsupported", "oom", "timeout", "killed", "error")
 # A training run's records: a diverged run's losses are NaN or infinite, and that is what it did.
 TRAINING = ("train_step", "eval")
 # Fields an ``ok`` measurement must carry as numbers.
@@ -254,6 +256,8 @@ def _invalid(record) -> str | None:
     wanted = dict(REQUIRED[kind])
     if kind in ("bench", "ring") and record.get("status") == "ok":
         wanted.update(MEASURED)
+    if kind in ("bench", "ring") and record.get("status") not in (*STATUSES, None):
+        return f"{kind} record field 'status' must be one of {STATUSES}, got {record['status']!r}"
     for name, types in wanted.items():
         value = record.get(name)
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
