@@ -191,6 +191,20 @@ def test_resume_skips_settled_measurements_and_reruns_failed_ones(tmp_path, fake
     assert fake_spawn == []
 
 
+def test_an_output_is_checked_by_opening_it(tmp_path):
+    """os.access says yes to root where writing fails (/proc); opening the file does not."""
+    with pytest.raises(ValueError, match="cannot be written"):
+        records.check_writable("/proc/octlm-check.jsonl", "output (--output)")
+    fresh = tmp_path / "new.jsonl"
+    assert records.check_writable(fresh, "output (--output)") == fresh
+    assert not fresh.exists()  # the check leaves nothing behind
+
+
+def test_a_peak_probe_past_the_timeout_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"took longer than --timeout 0\.01 s"):
+        driver._peak("x", "r", False, 0.01)
+
+
 def test_a_resume_goes_on_with_the_run_it_resumes(tmp_path, fake_probe, fake_spawn):
     """Its records take the interrupted run's id, so the report pairs them with that run's."""
     output = tmp_path / "bench.jsonl"
