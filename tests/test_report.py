@@ -163,6 +163,18 @@ def test_a_missing_records_file_is_a_clear_error(where, tmp_path, capsys):
     assert "octlm report: no records file" in err and where in err and "Traceback" not in err
 
 
+def test_structure_targets_judge_only_the_length_they_are_set_for(tmp_path):
+    """The targets are stated for 8,192 keys: a 256-key window run shows its ratio, unjudged."""
+    found = []
+    for backend, seconds in (("tiled", 0.5), ("flash", 1.0)):
+        [m] = Grid(backends=(backend,), lengths=(256,), windows=(64,)).measurements()
+        figures = dict(seconds_median=seconds, seconds=[seconds], extra_bytes=1, peak_bytes=2)
+        found.append(make_record(m, "test", MACHINE, run="r", round=1, status="ok", **figures))
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| window, forward |"))
+    assert row.endswith("| speed-up 2× | speed-up ≥ 3× at 8,192 keys |  |"), row
+
+
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
     import octlm.report
 
