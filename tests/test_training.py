@@ -821,6 +821,17 @@ def test_a_run_folder_with_a_damaged_config_is_a_clear_error(tmp_path, content):
         load_run(tmp_path)
 
 
+def test_a_triton_run_samples_on_a_cpu(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=1)
+    train(model_config, run, tmp_path / "run", progress=False)
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    stored["model"] |= {"attention": "tiled", "kernel": "triton"}  # as a GPU run writes it
+    (tmp_path / "run" / "config.json").write_text(json.dumps(stored))
+    model, _ = load_run(tmp_path / "run")
+    assert (model.config.attention, model.config.kernel) == ("tiled", "pytorch")
+    assert generate_text(model, "def ", 4).startswith("def ")
+
+
 def test_sample_is_the_models_own_decoding(corpus, tmp_path):
     model_config, run = configs(corpus, steps=2)
     train(model_config, run, tmp_path / "run", progress=False)

@@ -63,13 +63,18 @@ def generate_text(
 
 
 def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int]:
-    """The model of a run folder at its latest checkpoint, and that checkpoint's step."""
+    """The model of a run folder at its latest checkpoint, and that checkpoint's step. A run
+    trained with the Triton kernel runs its PyTorch twin off CUDA (the same function)."""
     folder = Path(folder)
     model_config = stored_model(folder)
     path = checkpoint.latest(folder)
     if path is None:
         raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
     state = checkpoint.load(path, model_config)
-    model = OctLM(single_process(model_config))
+    device = local_device(device)
+    config = single_process(model_config)
+    if device.type != "cuda" and config.kernel == "triton":  # a GPU run sampled on a CPU
+        config = replace(config, kernel="pytorch")  # the same function, in PyTorch
+    model = OctLM(config)
     model.load_state_dict(state["model"])
-    return model.to(local_device(device)), state["step"]
+    return model.to(device), state["step"]
