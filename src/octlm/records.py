@@ -260,18 +260,26 @@ def _invalid(record) -> str | None:
         return f"{kind} record field 'status' must be one of {STATUSES}, got {record['status']!r}"
     for name, types in wanted.items():
         value = record.get(name)
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            expected = " or ".join(t.__name__ for t in types)
-            return f"{kind} record field {name!r} must be {expected}, got {value!r}"
+        if not _of_type(value, types):
+            return _wrong(kind, name, value, types)
         if isinstance(value, float) and not math.isfinite(value) and kind not in TRAINING:
             return f"{kind} record field {name!r} must be finite, got {value!r}"
     if kind in ("bench", "peak"):
         for name, types in SHAPED.items():
             value = record.get(name, types[0]())  # absent: as a record from before the field
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                expected = " or ".join(t.__name__ for t in types)
-                return f"{kind} record field {name!r} must be {expected}, got {value!r}"
+            if not _of_type(value, types):
+                return _wrong(kind, name, value, types)
     positive = {"bench": "seconds_median", "peak": "gflops"}.get(kind)
     if positive in record and record.get("status", "ok") == "ok" and not record[positive] > 0:
         return f"{kind} record field {positive!r} must be > 0, got {record[positive]!r}"
     return None
+
+
+def _of_type(value, types: tuple) -> bool:
+    """``isinstance``, except that a bool is no int unless ``types`` names bool."""
+    return isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+
+
+def _wrong(kind: str, name: str, value, types: tuple) -> str:
+    expected = " or ".join(t.__name__ for t in types)
+    return f"{kind} record field {name!r} must be {expected}, got {value!r}"

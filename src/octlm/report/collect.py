@@ -90,12 +90,12 @@ def latest_runs(checks: list[dict]) -> list[dict]:
     any with one)."""
     latest: dict[tuple, str] = {}
 
-    def where(record: dict) -> tuple:
+    def group(record: dict) -> tuple:
         return record["experiment"], record.get("device"), record.get("dtype")
 
     for record in checks:
-        latest[where(record)] = max(latest.get(where(record), ""), record.get("run") or "")
-    return [r for r in checks if (r.get("run") or "") == latest[where(r)]]
+        latest[group(record)] = max(latest.get(group(record), ""), record.get("run") or "")
+    return [r for r in checks if (r.get("run") or "") == latest[group(r)]]
 
 
 def measurements(found: Iterable[dict]) -> list[dict]:

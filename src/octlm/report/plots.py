@@ -41,7 +41,7 @@ def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
             figures.setdefault((r.get("device"), r["mode"]), {}).setdefault(line, []).append(r)
     names = []
     for (device, mode), lines in sorted(figures.items(), key=str):
-        shapes = sorted({shape for *_, shape in lines}, key=str)  # one linestyle each
+        shapes = sorted({shape for *_, shape in lines}, key=str)  # one marker each
         for metric, field, unit, axis in (
             ("time", "seconds_median", 1, "median seconds"),
             ("memory", "extra_bytes", MiB, "extra MiB (peak - baseline)"),
