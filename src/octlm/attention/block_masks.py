@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+STATES = {"skipped": EMPTY, "masked": PARTIAL, "unmasked": FULL}  # what tiled does per pair
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -107,6 +108,51 @@ class BlockMask:
         """The whole mask, bool ``(b, h, q_len, k_len)``, for implementations that need one."""
         return _evaluate(self.mask_mod, self.batch, self.heads, range(self.q_len),
                          range(self.k_len), device)  # fmt: skip
+
+    def counts(self, batch: int = 0, head: int = 0) -> dict[str, int]:
+        """How many block pairs of one batch element and head are empty (skipped), partial
+        (computed with a mask) and full (computed with none)."""
+        state = self._map(batch, head)  # (nq, nk)
+        return {name: int((state == code).sum()) for name, code in STATES.items()}
+
+    def _map(self, batch: int, head: int) -> Tensor:
+        """The ``(nq, nk)`` states of one batch element and head (the map may broadcast)."""
+        for name, index, size in (("batch", batch, self.batch), ("head", head, self.heads)):
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
+                raise ValueError(f"{name} must be an int in [0, {size}), got {index!r}")
+        return self.state[min(batch, self.state.shape[0] - 1), min(head, self.state.shape[1] - 1)]
+
+    def plot(self, batch: int = 0, head: int = 0, title: str | None = None):
+        """A matplotlib ``Figure`` of the map of one batch element and head: a square per
+        (query block, key block) pair, white where the pair is skipped, light where it is
+        computed with a mask, dark where it is computed with none. Needs matplotlib."""
+        from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+
+        state = self._map(batch, head)  # (nq, nk)
+        colours = ("#ffffff", "#9ecae1", "#08519c")  # EMPTY, PARTIAL, FULL
+        figure = Figure(figsize=(4.2, 4.6), layout="constrained")
+        axes = figure.subplots()
+        # Each square drawn block_q tall and block_k wide, so the picture is to scale in tokens.
+        axes.imshow(state.cpu().numpy(), cmap=ListedColormap(colours), vmin=0, vmax=2,
+                    interpolation="nearest", aspect=self.block[0] / self.block[1])  # fmt: skip
+        rows, columns = state.shape
+        axes.set_xticks([x - 0.5 for x in range(columns + 1)], minor=True)
+        axes.set_yticks([y - 0.5 for y in range(rows + 1)], minor=True)
+        axes.grid(which="minor", color="#bbbbbb", linewidth=0.5)
+        axes.tick_params(which="both", length=0, labelbottom=False, labelleft=False)
+        axes.set_xlabel(f"key blocks of {self.block[1]}")
+        axes.set_ylabel(f"query blocks of {self.block[0]}")
+        counts = self.counts(batch, head)
+        legend = [
+            Patch(facecolor=colour, edgecolor="#888888", label=f"{name} ({counts[name]})")
+            for name, colour in zip(STATES, colours, strict=True)
+        ]
+        axes.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3,
+                    frameon=False, fontsize="small")  # fmt: skip
+        axes.set_title(title or f"{self.q_len} queries x {self.k_len} keys", fontsize="medium")
+        return figure
 
 
 def block_mask(
