@@ -21,6 +21,7 @@ from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, OctLM, is_int_at_least
 from octlm.training.data import VOCAB
+from octlm.training.optim import OPTIMIZERS
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2),
@@ -67,10 +68,14 @@ class RunConfig:
     batch: int = _option(16, "sequences per optimizer step, over all ranks and --accumulate")
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
-    lr: float = _option(3e-3, "peak learning rate")
+    optimizer: str = _option(
+        "adamw", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest"
+    )
+    lr: float = _option(3e-3, "peak learning rate (of AdamW)")
+    muon_lr: float = _option(3e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
     min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of --lr")
     warmup: int = _option(50, "steps of linear warm-up before the cosine decay")
-    weight_decay: float = _option(0.1, "AdamW weight decay (matrices only)")
+    weight_decay: float = _option(0.1, "weight decay of the matrices (AdamW and Muon)")
     clip: float = _option(1.0, "gradient norm clipping threshold (0: none)")
     seed: int = _option(0, "RNG seed of the weights, batches and dropout")
     dtype: str = _option("float32", "float32, bfloat16 (autocast) or float16 (autocast, CUDA)")
@@ -113,7 +118,9 @@ class RunConfig:
                 raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
         if self.val_share == 0:
             raise ValueError("val_share must be > 0: evaluation needs held-out documents")
-        for name in ("lr", "weight_decay", "clip"):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        for name in ("lr", "muon_lr", "weight_decay", "clip"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -306,8 +313,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if "action" not in extras:
             extras |= {"type": _field_type(field.type), "metavar": field.name.upper()}
             help += "" if field.default is None else f" (default {field.default})"
-        if field.name == "dtype":
-            extras |= {"choices": list(DTYPES), "metavar": None}
+        if field.name in ("dtype", "optimizer"):
+            extras |= {"choices": list(DTYPES if field.name == "dtype" else OPTIMIZERS)}
+            extras |= {"metavar": None}
         run_group.add_argument(
             _flag(field.name), dest=f"run.{field.name}", default=None, help=help, **extras
         )

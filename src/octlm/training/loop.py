@@ -3,7 +3,7 @@
 One optimizer step draws the global batch ``(B, T)`` (the same on every rank): random windows,
 or with ``pack`` rows of whole documents kept apart by ``document_ids``. It keeps this rank's
 rows (or, under context parallelism, all rows and this rank's positions), cuts them into
-``accumulate`` micro-batches, and adds their gradients; then clipping, AdamW, the schedule.
+``accumulate`` micro-batches, and adds their gradients; then clipping, the optimizer, the schedule.
 The loss is the mean over the targets the global batch counts (packing ignores some), so
 accumulation and ranks leave it unchanged.
 Every source of randomness is seeded and checkpointed (weights, batch positions, dropout), so
@@ -112,7 +112,9 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     if run.checkpoint_activations:
         _recompute_blocks(raw)
     distributed.shard(raw, cluster)
-    optimizer = make_optimizer(raw, run.lr, run.weight_decay)
+    optimizer = make_optimizer(
+        raw, run.lr, run.weight_decay, optimizer=run.optimizer, muon_lr=run.muon_lr
+    )
     scheduler = make_scheduler(
         optimizer, warmup=run.warmup, steps=run.steps, min_ratio=run.min_lr_ratio
     )

@@ -1,0 +1,140 @@
+"""``--optimizer muon``: Muon steps the blocks' matrices and AdamW the rest, under one schedule,
+and a run resumes from its checkpoints exactly as an AdamW run does."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from octlm.cli import main
+from octlm.model import ModelConfig, OctLM
+from octlm.training import checkpoint, train
+from octlm.training.config import RunConfig
+from octlm.training.optim import lr_factor, make_optimizer, make_scheduler
+from tests.test_training import configs, losses, read_metrics, write_corpus
+
+MODEL = ModelConfig(width=32, n_layers=2, n_heads=2, n_kv_heads=1, max_length=16)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_corpus(tmp_path / "corpus")
+
+
+def _one_step(model: OctLM, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Each parameter's change in float64 after one optimizer step, and its gradient."""
+    before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    tokens = torch.randint(256, (16, 17), generator=torch.Generator().manual_seed(1))  # (B, T + 1)
+    logits = model(tokens[:, :-1])  # (B, T, V)
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    grads = {name: p.grad.double().clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    change = {name: p.detach().double() - before[name] for name, p in model.named_parameters()}
+    return change, grads
+
+
+def test_muon_holds_the_block_matrices_and_adamw_the_rest():
+    model = OctLM(MODEL)
+    adamw, muon = make_optimizer(model, 1e-3, 0.1, optimizer="muon", muon_lr=2e-2).parts
+    names = {id(p): name for name, p in model.named_parameters()}
+    held = {names[id(p)] for group in muon.param_groups for p in group["params"]}
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert held == {
+        name for name, p in model.named_parameters() if name.startswith("blocks.") and p.dim() == 2
+    }
+    rest = {names[id(p)] for group in adamw.param_groups for p in group["params"]}
+    assert rest == set(names.values()) - held
+
+
+def _spread(change: torch.Tensor) -> float:
+    singular = torch.linalg.svdvals(change)  # float64
+    return float(singular.max() / singular.min())
+
+
+def test_muon_orthogonalises_the_mlp_updates_and_adamw_steps_the_rest():
+    """Muon's update of a matrix has singular values near one another (Newton-Schulz makes it
+    nearly orthogonal; the MLP's gradients here have full rank); AdamW's first step moves each
+    entry by ``lr`` against its gradient, whatever the matrix's spectrum."""
+    torch.manual_seed(0)
+    model = OctLM(MODEL)
+    optimizer = make_optimizer(model, 1e-3, 0.0, optimizer="muon", muon_lr=2e-3)
+    change, grads = _one_step(model, optimizer)
+    for name, delta in change.items():
+        if ".mlp." in name:
+            assert _spread(delta) < 2, name
+        elif not name.startswith("blocks.") or delta.dim() == 1:  # embedding and norm gains
+            moved = grads[name].abs() > 1e-4  # where Adam's eps is negligible
+            assert torch.allclose(delta[moved], -1e-3 * grads[name][moved].sign(), rtol=1e-3)
+
+
+def test_adamw_alone_leaves_the_mlp_updates_far_from_orthogonal():
+    """The contrast that makes the test above tell the optimizers apart."""
+    torch.manual_seed(0)
+    model = OctLM(MODEL)
+    change, _ = _one_step(model, make_optimizer(model, 1e-3, 0.0, optimizer="adamw"))
+    assert all(_spread(delta) > 4 for name, delta in change.items() if ".mlp." in name)
+
+
+def test_one_schedule_drives_both_optimizers():
+    model = OctLM(MODEL)
+    optimizer = make_optimizer(model, 1e-3, 0.1, optimizer="muon", muon_lr=2e-2)
+    scheduler = make_scheduler(optimizer, warmup=2, steps=10, min_ratio=0.1)
+    for step in range(10):
+        factor = lr_factor(step, warmup=2, steps=10, min_ratio=0.1)
+        rates = [group["lr"] for group in optimizer.param_groups]
+        assert rates == pytest.approx([1e-3 * factor, 1e-3 * factor, 2e-2 * factor])
+        optimizer.step()
+        scheduler.step()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_resumed_muon_run_repeats_the_uninterrupted_losses_exactly(corpus, tmp_path, pack):
+    model_config, run = configs(corpus, optimizer="muon", muon_lr=2e-2, pack=pack)
+    model_config = replace(model_config, dropout=0.1)  # dropout's RNG must resume too
+    train(model_config, run, tmp_path / "whole", progress=False)
+    train(model_config, run, tmp_path / "cut", progress=False)
+    for later in checkpoint.listed(tmp_path / "cut")[2:]:  # as if stopped right after step 4
+        later.unlink()
+    outcome = train(model_config, run, tmp_path / "cut", resume=True, progress=False)
+    assert outcome.step == 6
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole")  # exact, float for float
+
+    def evaluations(folder):
+        return [(r["step"], r["val_loss"]) for r in read_metrics(folder, "eval")]
+
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
+
+
+def test_a_muon_run_learns(corpus, tmp_path):
+    model_config, run = configs(
+        corpus, optimizer="muon", muon_lr=2e-2, steps=30, eval_every=30, checkpoint_every=30
+    )
+    outcome = train(model_config, run, tmp_path / "run", progress=False)
+    curve = losses(tmp_path / "run")
+    assert curve[30] < curve[1] - 1.0
+    assert outcome.val_loss < math.log(256) - 1.0
+
+
+def test_resume_refuses_another_optimizer(corpus, tmp_path):
+    model_config, run = configs(corpus, steps=2)
+    train(model_config, run, tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match=r"run\.optimizer: 'adamw' in the run, 'muon' now"):
+        train(
+            model_config, replace(run, optimizer="muon", steps=4), tmp_path / "run",
+            resume=True, progress=False,
+        )  # fmt: skip
+
+
+def test_an_unknown_optimizer_is_refused_by_name(capsys):
+    expected = r"optimizer must be one of \('adamw', 'muon'\), got 'sgd'"
+    with pytest.raises(ValueError, match=expected):
+        RunConfig(optimizer="sgd")
+    with pytest.raises(ValueError, match="muon_lr must be a finite number >= 0, got -1"):
+        RunConfig(muon_lr=-1)
+    with pytest.raises(SystemExit):
+        main(["train", "--out", "unused", "--optimizer", "sgd"])
+    assert "invalid choice: 'sgd'" in capsys.readouterr().err
