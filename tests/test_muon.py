@@ -1,5 +1,6 @@
-"""``--optimizer muon``: Muon steps the blocks' matrices and AdamW the rest, under one schedule,
-and a run resumes from its checkpoints exactly as an AdamW run does."""
+"""``--optimizer muon``: Muon (orthogonalising in float32) steps the blocks' matrices and AdamW
+the rest, under one schedule, and a run resumes from its checkpoints exactly as an AdamW run
+does."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch.nn.functional as F
 
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
-from octlm.training import checkpoint, train
+from octlm.training import checkpoint, optim, train
 from octlm.training.config import RunConfig
-from octlm.training.optim import lr_factor, make_optimizer, make_scheduler
+from octlm.training.optim import Muon, lr_factor, make_optimizer, make_scheduler, orthogonalise
 from tests.test_training import configs, losses, read_metrics, write_corpus
 
 MODEL = ModelConfig(width=32, n_layers=2, n_heads=2, n_kv_heads=1, max_length=16)
@@ -42,7 +43,7 @@ def test_muon_holds_the_block_matrices_and_adamw_the_rest():
     adamw, muon = make_optimizer(model, 1e-3, 0.1, optimizer="muon", muon_lr=2e-2).parts
     names = {id(p): name for name, p in model.named_parameters()}
     held = {names[id(p)] for group in muon.param_groups for p in group["params"]}
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     assert held == {
         name for name, p in model.named_parameters() if name.startswith("blocks.") and p.dim() == 2
     }
@@ -77,6 +78,48 @@ def test_adamw_alone_leaves_the_mlp_updates_far_from_orthogonal():
     model = OctLM(MODEL)
     change, _ = _one_step(model, make_optimizer(model, 1e-3, 0.0, optimizer="adamw"))
     assert all(_spread(delta) > 4 for name, delta in change.items() if ".mlp." in name)
+
+
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48), (32, 32)])
+def test_orthogonalise_keeps_the_singular_vectors_and_evens_the_singular_values(shape):
+    """Against float64 SVD ``G = U S V^T``: the result is ``U S' V^T`` with every ``S'`` near 1."""
+    generator = torch.Generator().manual_seed(0)
+    update = torch.randn(shape, generator=generator) * torch.logspace(0, 1, shape[1])  # (A, B)
+    result = orthogonalise(update, (3.4445, -4.775, 2.0315), 5, 1e-7).double()
+    u, _s, vh = torch.linalg.svd(update.double(), full_matrices=False)
+    spectrum = u.T @ result @ vh.T  # S', diagonal where the singular vectors are kept
+    diagonal = spectrum.diagonal()
+    assert (spectrum - torch.diag(diagonal)).abs().max() < 1e-4
+    assert diagonal.min() > 0.5 and diagonal.max() < 1.5
+
+
+def test_muon_steps_as_torch_muon_does_up_to_bfloat16_rounding():
+    """torch's Muon (its iteration in bfloat16) is the reference for momentum, Nesterov, decay
+    and the step size; three steps, so the momentum buffer counts."""
+    torch.manual_seed(0)
+    weights = torch.randn(40, 24)
+    ours, theirs = torch.nn.Parameter(weights.clone()), torch.nn.Parameter(weights.clone())
+    mine = Muon([ours], lr=0.02, weight_decay=0.1)
+    reference = torch.optim.Muon(
+        [theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    )
+    start = ours.detach().clone()
+    for step in range(3):
+        grad = torch.randn(40, 24, generator=torch.Generator().manual_seed(step))
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        reference.step()
+    moved, expected = (ours - start).detach(), (theirs - start).detach()
+    assert (moved - expected).norm() < 0.02 * expected.norm()
+    assert torch.equal(
+        mine.state[ours]["momentum_buffer"], reference.state[theirs]["momentum_buffer"]
+    )
+
+
+def test_muon_without_torch_muon_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(optim, "_MUON", torch.optim.Optimizer)
+    with pytest.raises(ValueError, match=r"optimizer 'muon' needs torch\.optim\.Muon"):
+        make_optimizer(OctLM(MODEL), 1e-3, 0.1, optimizer="muon")
 
 
 def test_one_schedule_drives_both_optimizers():

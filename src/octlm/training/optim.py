@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 BETAS = (0.9, 0.95)
 OPTIMIZERS = ("adamw", "muon")
@@ -74,6 +74,63 @@ class Joint(torch.optim.Optimizer):
             part.load_state_dict({"state": state, "param_groups": own})
 
 
+def orthogonalise(update: Tensor, coefficients: tuple, steps: int, eps: float) -> Tensor:
+    """``update (A, B)`` made nearly orthogonal by ``steps`` quintic Newton-Schulz iterations in
+    float32 (torch.optim.Muon's iteration and coefficients): its singular values end near 1."""
+    a, b, c = coefficients
+    tall = update.size(0) > update.size(1)
+    x = update.float().T if tall else update.float()  # (short, long)
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T  # (short, short)
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(update.dtype)
+
+
+# torch.optim.Muon came with torch 2.9; with an older torch, --optimizer muon is refused.
+_MUON = getattr(torch.optim, "Muon", torch.optim.Optimizer)
+
+
+class Muon(_MUON):
+    """``torch.optim.Muon`` orthogonalising in float32, with the update scaled to AdamW's size.
+
+    torch's Muon casts each update to bfloat16 for its Newton-Schulz iteration, which pays on
+    GPUs; a CPU without bfloat16 units runs those products several times slower than in
+    float32, and Muon's step then costs more than the model's forward and backward. The
+    momentum, decay, iteration and state (``momentum_buffer``) are torch's; the step size is
+    ``0.2 * sqrt(max(A, B))`` times the rate (torch's ``adjust_lr_fn="match_rms_adamw"``), so
+    the rate and the decay are on AdamW's scale.
+    """
+
+    def __init__(self, params, lr: float, weight_decay: float):
+        super().__init__(params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                buffer = state["momentum_buffer"]
+                buffer.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                update = orthogonalise(
+                    update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(update, alpha=-group["lr"] * 0.2 * math.sqrt(max(param.shape)))
+        return loss
+
+
 def make_optimizer(
     model: nn.Module,
     lr: float,
@@ -82,16 +139,19 @@ def make_optimizer(
     optimizer: str = "adamw",
     muon_lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW over every parameter, or with ``optimizer="muon"`` Muon over the matrices of
-    ``model.blocks`` (at ``muon_lr``) and AdamW over the rest (embedding, head, norms).
+    """AdamW over every parameter, or with ``optimizer="muon"`` :class:`Muon` over the matrices
+    of ``model.blocks`` (at ``muon_lr``) and AdamW over the rest (embedding, head, norms).
 
     Weight decay applies to matrices, not to norm gains: decaying a gain pulls it towards zero
-    for no benefit; matrices are where the parameters, and the overfitting, are. Muon's step
-    is scaled to AdamW's update size (``adjust_lr_fn="match_rms_adamw"``), so its rate and
-    decay are on AdamW's scale.
+    for no benefit; matrices are where the parameters, and the overfitting, are.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if optimizer == "muon" and _MUON is torch.optim.Optimizer:
+        raise ValueError(
+            f"optimizer 'muon' needs torch.optim.Muon (torch 2.9 or later); this is torch "
+            f"{torch.__version__}: upgrade torch or use optimizer 'adamw'"
+        )
     parameters = [p for p in model.parameters() if p.requires_grad]
     matrices = set()
     if optimizer == "muon":
@@ -104,11 +164,10 @@ def make_optimizer(
     adamw = torch.optim.AdamW(groups, lr=lr, betas=BETAS)
     if not matrices:
         return adamw
-    muon = torch.optim.Muon(
+    muon = Muon(
         [p for p in parameters if id(p) in matrices],
         lr=lr if muon_lr is None else muon_lr,
         weight_decay=weight_decay,
-        adjust_lr_fn="match_rms_adamw",
     )
     return Joint([adamw, muon])
 
