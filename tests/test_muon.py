@@ -4,6 +4,7 @@ does."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint, optim, train
-from octlm.training.config import RunConfig
+from octlm.training.config import RunConfig, resolve
 from octlm.training.optim import Muon, lr_factor, make_optimizer, make_scheduler, orthogonalise
 from tests.test_training import configs, losses, read_metrics, write_corpus
 
@@ -163,7 +164,7 @@ def test_a_muon_run_learns(corpus, tmp_path):
 
 
 def test_resume_refuses_another_optimizer(corpus, tmp_path):
-    model_config, run = configs(corpus, steps=2)
+    model_config, run = configs(corpus, steps=2, optimizer="adamw")
     train(model_config, run, tmp_path / "run", progress=False)
     with pytest.raises(ValueError, match=r"run\.optimizer: 'adamw' in the run, 'muon' now"):
         train(
@@ -181,3 +182,20 @@ def test_an_unknown_optimizer_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--out", "unused", "--optimizer", "sgd"])
     assert "invalid choice: 'sgd'" in capsys.readouterr().err
+
+
+def test_a_run_older_than_the_optimizer_flag_resumes_with_adamw(corpus, tmp_path):
+    """Its config.json has no ``optimizer``: it was trained with AdamW, whatever the default."""
+    model_config, run = configs(corpus, optimizer="adamw")
+    train(model_config, run, tmp_path / "whole", progress=False)
+    cut = tmp_path / "cut"
+    train(model_config, run, cut, progress=False)
+    for later in checkpoint.listed(cut)[2:]:
+        later.unlink()
+    stored = json.loads((cut / "config.json").read_text())
+    del stored["run"]["optimizer"], stored["run"]["muon_lr"]
+    (cut / "config.json").write_text(json.dumps(stored))
+    model_config, resumed = resolve(resume=cut)  # as ``octlm train --resume`` does
+    assert resumed.optimizer == "adamw"
+    train(model_config, resumed, cut, resume=True, progress=False)
+    assert losses(cut) == losses(tmp_path / "whole")

@@ -6,7 +6,7 @@ Two measurements, appended as records to ``runs/bench-training-cpu.jsonl``::
     python -m octlm.training.benchmark attention   # naive, sdpa, tiled at 1,024 and 4,096 tokens
 
 ``overhead`` alternates ``train()`` (data, schedule, clipping, records, progress bar) with a bare
-loop of the same model and batch (forward, backward, AdamW step on one fixed batch), a few
+loop of the same model and batch (forward, backward, optimizer step on one fixed batch), a few
 times each, in one process, and compares their tokens per second over the steps after the
 first. ``attention`` runs ``octlm train`` once per implementation, length and dtype, each in a
 fresh process because ``ru_maxrss`` is a lifetime peak, and records that run's tokens per
@@ -52,10 +52,12 @@ def _corpus(folder: Path) -> Path:
 
 
 def _bare_loop(model_config, run, steps: int) -> float:
-    """Tokens per second of forward, backward and AdamW step, over ``steps`` after a first."""
+    """Tokens per second of forward, backward and optimizer step, over ``steps`` after a first."""
     torch.manual_seed(run.seed)
     model = OctLM(model_config)
-    optimizer = make_optimizer(model, run.lr, run.weight_decay)
+    optimizer = make_optimizer(
+        model, run.lr, run.weight_decay, optimizer=run.optimizer, muon_lr=run.muon_lr
+    )
     tokens = torch.randint(256, (run.batch, run.length + 1))  # (B, T + 1)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
     began = time.perf_counter()
@@ -96,7 +98,9 @@ def _extras(model_config, run, corpus: Path, scratch: Path) -> dict:
     model = OctLM(model_config)
     for parameter in model.parameters():
         parameter.grad = torch.randn_like(parameter)
-    optimizer = make_optimizer(model, run.lr, run.weight_decay)
+    optimizer = make_optimizer(
+        model, run.lr, run.weight_decay, optimizer=run.optimizer, muon_lr=run.muon_lr
+    )
     scheduler = make_scheduler(optimizer, warmup=run.warmup, steps=10**9, min_ratio=0.1)
     bar = tqdm(total=10**9, disable=False, file=open(os.devnull, "w"))  # noqa: SIM115
     log = Metrics(scratch, "cpu", enabled=True)

@@ -40,6 +40,9 @@ RESUMABLE = frozenset(
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
     | {"fsdp", "context_parallel"}
 )
+# What a run did before a field existed, where that is not the field's default: a run
+# folder's config.json that lacks the field is such a run.
+BEFORE_FIELD = {"optimizer": "adamw"}
 
 
 def _option(default, help: str, **flag):
@@ -69,10 +72,10 @@ class RunConfig:
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
     optimizer: str = _option(
-        "adamw", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest"
+        "muon", "muon: Muon for the blocks' matrices, AdamW for the rest; or adamw for all"
     )
     lr: float = _option(3e-3, "peak learning rate (of AdamW)")
-    muon_lr: float = _option(3e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
+    muon_lr: float = _option(6e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
     min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of --lr")
     warmup: int = _option(50, "steps of linear warm-up before the cosine decay")
     weight_decay: float = _option(0.1, "weight decay of the matrices (AdamW and Muon)")
@@ -216,6 +219,8 @@ def resolve(
     model_values |= _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
     model_values |= model or {}
     run_values = _checked_keys(content.get("run", {}), run_fields, f"config {file} [run]")
+    if resume is not None:
+        run_values = BEFORE_FIELD | run_values
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
     model_values.setdefault("max_length", run_config.length)
@@ -281,10 +286,12 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
 def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError naming every field where a resumed run departs from ``stored``.
 
-    A field ``stored`` lacks (the run is older than the field) had its default value.
+    A field ``stored`` lacks (the run is older than the field) had its ``BEFORE_FIELD`` value,
+    else its default.
     """
     resolved = json.loads(json.dumps(to_dict(model, run)))
     defaults = json.loads(json.dumps(to_dict(ModelConfig(), RunConfig())))
+    defaults["run"] |= BEFORE_FIELD
     differences = [
         f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")
