@@ -67,16 +67,16 @@ class RunConfig:
         "fill each row with whole documents that attend only within themselves (documents "
         "longer than a row are cut into row-sized pieces; the rest of a row is padding)"
     )
-    steps: int = _option(1000, "optimizer steps")
+    steps: int = _option(2200, "optimizer steps")
     batch: int = _option(16, "sequences per optimizer step, over all ranks and --accumulate")
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
     optimizer: str = _option(
         "muon", "muon: Muon for the blocks' matrices, AdamW for the rest; or adamw for all"
     )
-    lr: float = _option(3e-3, "peak learning rate (of AdamW)")
+    lr: float = _option(3e-3, "peak learning rate of AdamW")
     muon_lr: float = _option(6e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
-    min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of --lr")
+    min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of the peak")
     warmup: int = _option(50, "steps of linear warm-up before the cosine decay")
     weight_decay: float = _option(0.1, "weight decay of the matrices (AdamW and Muon)")
     clip: float = _option(1.0, "gradient norm clipping threshold (0: none)")
