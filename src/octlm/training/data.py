@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from octlm.tokenizer import MAX_VOCAB, ByteTokenizer
+from octlm.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer
 
 SPLITS = ("train", "val")
 DEFAULT_GLOB = "**/*.txt"
@@ -142,7 +142,7 @@ def write_tokens(
     glob: str,
     val_share: float,
     folder: str | os.PathLike,
-    tokenizer=None,
+    tokenizer: ByteTokenizer | BPETokenizer | None = None,
 ) -> dict:
     """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus, encoded by
     ``tokenizer`` (default: bytes), and where each document starts in them

@@ -339,8 +339,11 @@ def _check_tokenizer(folder: Path, summary: dict, model_config: ModelConfig, run
         f"{DATA_FOLDER}/{data.SUMMARY}": (summary["tokenizer"], summary["vocab_size"]),
         "the run folder's tokenizer": (tokenizer.name, tokenizer.vocab_size),
     }
-    wrong = [f"{where} has {name} of {size} tokens" for where, (name, size) in found.items()
-             if (name, size) != expected]  # fmt: skip
+    wrong = [
+        f"{where} has {name} of {size} tokens"
+        for where, (name, size) in found.items()
+        if (name, size) != expected
+    ]
     if wrong:
         raise ValueError(
             f"run folder {str(folder)!r} is for tokenizer {expected[0]} of vocab_size "

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from octlm.model import ModelConfig, OctLM
-from octlm.tokenizer import ByteTokenizer
+from octlm.tokenizer import BPETokenizer, ByteTokenizer
 from octlm.training import checkpoint
 from octlm.training.config import prompt_bytes, stored_model
 from octlm.training.distributed import local_device
@@ -28,7 +28,7 @@ def generate_text(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
-    tokenizer=None,
+    tokenizer: ByteTokenizer | BPETokenizer | None = None,
 ) -> str:
     """``prompt`` continued by ``max_new_tokens`` tokens, encoded and decoded by the model's
     ``tokenizer`` (default: bytes), as UTF-8 text (bad bytes replaced).
