@@ -218,10 +218,11 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
     from octlm.training import config
 
     parser.description = (
-        "Train an octlm model on bytes of text: one process, or several under torchrun "
-        "(DDP by default, --fsdp, --context-parallel). With no --data the corpus is this "
-        "Python's standard library. The run folder (--out) keeps config.json, metrics.jsonl, "
-        "loss.png, the token files and the last checkpoints."
+        "Train an octlm model on text, as bytes or as BPE tokens (--tokenizer): one process, "
+        "or several under torchrun (DDP by default, --fsdp, --context-parallel). With no --data "
+        "the corpus is this Python's standard library. The run folder (--out) keeps "
+        "config.json, metrics.jsonl, loss.png, the token files (and tokenizer.json for BPE) "
+        "and the last checkpoints."
     )
     parser.epilog = "presets (--width and friends override them):\n" + config.preset_summary()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -277,21 +278,24 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("run_dir", help="a folder written by octlm train")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="tokens to generate (bytes for a byte run)"
+    )
     parser.add_argument(
         "--temperature", type=float, default=0.8, help="0 is greedy (default %(default)s)"
     )
-    parser.add_argument("--top-k", type=int, help="draw among the K likeliest bytes only")
+    parser.add_argument("--top-k", type=int, help="draw among the K likeliest tokens only")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the draw")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
     def run(args: argparse.Namespace) -> int:
+        from octlm.tokenizer import load_tokenizer
         from octlm.training import generate_text, load_run
 
         model, step = load_run(args.run_dir, args.device)
         text = generate_text(
             model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed,
+            top_k=args.top_k, seed=args.seed, tokenizer=load_tokenizer(args.run_dir),
         )  # fmt: skip
         print(f"# {args.run_dir}, checkpoint of step {step}", file=sys.stderr)
         print(text)

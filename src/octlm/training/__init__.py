@@ -1,7 +1,7 @@
-"""Training octlm models: byte-level data, the loop, checkpoints, several processes, sampling.
+"""Training octlm models: data (bytes or BPE), the loop, checkpoints, processes, sampling.
 
 - :mod:`~octlm.training.config`: ``RunConfig``, presets, resolving flags, files and presets
-- :mod:`~octlm.training.data`: corpus -> memory-mapped uint8 token files; batches
+- :mod:`~octlm.training.data`: corpus -> memory-mapped token files; batches
 - :mod:`~octlm.training.optim`: AdamW (decay on matrices) and warm-up + cosine schedule
 - :mod:`~octlm.training.loop`: :func:`train`, evaluation, signals
 - :mod:`~octlm.training.checkpoint`: atomic checkpoints, checked on load

@@ -20,7 +20,7 @@ import torch
 from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, OctLM, is_int_at_least
-from octlm.training.data import VOCAB
+from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2),
@@ -59,6 +59,12 @@ class RunConfig:
     data: str | None = _option(None, "a text file or folder (default: this Python's stdlib)")
     glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
     val_share: float = _option(0.1, "share of documents held out for validation")
+    tokenizer: str = _option(
+        "bytes",
+        f"bytes, or bpe: a byte-level BPE of --vocab-size tokens (default {DEFAULT_BPE_VOCAB}) "
+        "trained on the training split",
+        choices=NAMES,
+    )
     pack: bool = _switch(
         "fill each row with whole documents that attend only within themselves (documents "
         "longer than a row are cut into row-sized pieces; the rest of a row is padding)"
@@ -83,7 +89,7 @@ class RunConfig:
     keep: int = _option(3, "checkpoints kept (the latest ones)")
     log_every: int = _option(10, "steps between metrics.jsonl records")
     prompt: str = _option("def ", "prompt of the sample printed at each evaluation")
-    sample_tokens: int = _option(96, "bytes sampled at each evaluation")
+    sample_tokens: int = _option(96, "tokens sampled at each evaluation")
     fsdp: bool = _switch("shard parameters with FSDP2 (under torchrun)")
     context_parallel: bool = _switch("split each sequence across ranks with ring attention")
 
@@ -119,6 +125,8 @@ class RunConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.tokenizer not in NAMES:
+            raise ValueError(f"tokenizer must be one of {NAMES}, got {self.tokenizer!r}")
         if self.fsdp and self.context_parallel:
             raise ValueError("fsdp and context_parallel cannot be combined: choose one")
 
@@ -212,9 +220,13 @@ def resolve(
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
     model_values.setdefault("max_length", run_config.length)
+    if run_config.tokenizer == "bpe":
+        model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
     if run_config.context_parallel:
         model_values["attention"] = "ring"
     model_config = model_from_dict(model_values)
+    if resume is not None:  # a departure from the run is named as such, before other rules
+        check_resumable(content, model_config, run_config)
     check_compatible(model_config, run_config)
     return model_config, run_config
 
@@ -237,8 +249,9 @@ def model_from_dict(values: dict) -> ModelConfig:
 
 
 def prompt_bytes(prompt: object) -> bytes:
-    """A prompt's bytes, the model's tokens; ``ValueError`` unless it is non-empty text that
-    UTF-8 can encode (a shell hands undecodable argument bytes over as lone surrogates)."""
+    """A prompt's bytes, which the run's tokenizer encodes; ``ValueError`` unless it is
+    non-empty text that UTF-8 can encode (a shell hands undecodable argument bytes over as
+    lone surrogates)."""
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
     try:
@@ -249,8 +262,14 @@ def prompt_bytes(prompt: object) -> bytes:
 
 def check_compatible(model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError where the model and the run disagree."""
-    if model.vocab_size != VOCAB:  # a larger one could sample tokens that are no byte
-        raise ValueError(f"byte tokens need vocab_size {VOCAB}, got {model.vocab_size}")
+    # The model's vocabulary is the tokenizer's: a larger one could sample tokens it lacks.
+    if run.tokenizer == "bytes" and model.vocab_size != BYTE_VOCAB:
+        raise ValueError(
+            f"byte tokens need vocab_size {BYTE_VOCAB}, got {model.vocab_size} (--tokenizer bpe "
+            "learns a larger vocabulary)"
+        )
+    if run.tokenizer == "bpe":
+        check_bpe_vocab_size(model.vocab_size)
     if run.length > model.max_length:
         raise ValueError(f"length ({run.length}) exceeds max_length ({model.max_length})")
     if run.sample_tokens and model.max_length < 2:

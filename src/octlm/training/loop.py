@@ -5,7 +5,8 @@ or with ``pack`` rows of whole documents kept apart by ``document_ids``. It keep
 rows (or, under context parallelism, all rows and this rank's positions), cuts them into
 ``accumulate`` micro-batches, and adds their gradients; then clipping, AdamW, the schedule.
 The loss is the mean over the targets the global batch counts (packing ignores some), so
-accumulation and ranks leave it unchanged.
+accumulation and ranks leave it unchanged. Losses per byte (bits) divide the summed token
+losses by the bytes those tokens stand for, so runs with other tokenizers compare.
 Every source of randomness is seeded and checkpointed (weights, batch positions, dropout), so
 on CPU in float32 a run resumed from step ``k`` repeats the uninterrupted run's losses exactly.
 """
@@ -33,6 +34,8 @@ from tqdm.auto import tqdm
 
 from octlm.model import ModelConfig, OctLM
 from octlm.parallel import context_parallel_loss
+from octlm.tokenizer import STORING as STORING_TOKENIZER
+from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import checkpoint, data, distributed
 from octlm.training.config import (
     CONFIG_FILE,
@@ -107,6 +110,8 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     tokens = {
         split: data.load_tokens(folder / DATA_FOLDER, split, run.length) for split in data.SPLITS
     }
+    tokenizer = load_tokenizer(folder)  # checked against the run by _prepare
+    token_bytes = tokenizer.token_bytes  # (V,) bytes each token stands for
     torch.manual_seed(run.seed)  # the same initial weights on every rank
     raw = OctLM(model_config).to(cluster.device)
     if run.checkpoint_activations:
@@ -125,6 +130,7 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         else data.Batches(tokens["train"], run.length, run.seed)
     )
     validation = data.evaluation_batches(tokens["val"], run.length, run.batch, run.eval_batches)
+    val_tokens_per_byte = _tokens_per_byte(validation, token_bytes)
     torch.manual_seed(run.seed + cluster.rank)  # dropout differs between ranks' rows
     metrics = Metrics(folder, cluster.device, enabled=cluster.is_main)
     start = 0
@@ -172,9 +178,11 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         if step % run.log_every == 0 or final:
             train_loss = cluster.total(loss).item()
             seconds = time.perf_counter() - began
+            bits_per_byte = train_loss * _tokens_per_byte([batch], token_bytes) / LN2
             metrics.write(
-                "train_step", step=step, loss=train_loss, lr=lr, grad_norm=grad_norm.item(),
-                tokens_per_second=tokens_seen / seconds, **peak_memory(cluster.device),
+                "train_step", step=step, loss=train_loss, bits_per_byte=bits_per_byte, lr=lr,
+                grad_norm=grad_norm.item(), tokens_per_second=tokens_seen / seconds,
+                **peak_memory(cluster.device),
             )  # fmt: skip
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_seen / seconds:,.0f}")
             began, tokens_seen = time.perf_counter(), 0
@@ -185,7 +193,10 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
             )
         if step % run.eval_every == 0 or step == run.steps:
             train_loss = cluster.total(loss).item() if train_loss is None else train_loss
-            last_eval = _evaluate(model, raw, validation, autocast, run, model_config, cluster)
+            last_eval = _evaluate(
+                model, raw, validation, val_tokens_per_byte, tokenizer, autocast, run,
+                model_config, cluster,
+            )  # fmt: skip
             metrics.write(
                 "eval", step=step, loss=train_loss, val_loss=last_eval[0],
                 val_bits_per_byte=last_eval[1], sample=last_eval[2],
@@ -272,7 +283,7 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
         raise ValueError(f"run folder {str(folder)!r} is a file, not a folder")
     if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
         shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
-        for name in (CONFIG_FILE, STORING, PREPARING):
+        for name in (CONFIG_FILE, STORING, TOKENIZER_FILE, STORING_TOKENIZER, PREPARING):
             (folder / name).unlink(missing_ok=True)
     if resume:
         if not config_path.is_file():
@@ -305,8 +316,39 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
         source, glob = (
             (source, glob) if run.data is None else (run.data, run.glob or data.DEFAULT_GLOB)
         )
-        summary = data.write_tokens(source, run.glob or glob, run.val_share, folder / DATA_FOLDER)
+        glob = run.glob or glob
+        tokenizer = (
+            BPETokenizer.train(
+                data.training_texts(source, glob, run.val_share), model_config.vocab_size
+            )
+            if run.tokenizer == "bpe"
+            else ByteTokenizer()
+        )
+        summary = data.write_tokens(source, glob, run.val_share, folder / DATA_FOLDER, tokenizer)
+        tokenizer.save(folder)
+    _check_tokenizer(folder, summary, model_config, run)
     return summary
+
+
+def _check_tokenizer(folder: Path, summary: dict, model_config: ModelConfig, run) -> None:
+    """Raise ValueError unless the token files (``data.json``) and the run folder's tokenizer
+    are those the run's configuration names: its tokenizer and vocabulary."""
+    tokenizer = load_tokenizer(folder)
+    expected = (run.tokenizer, model_config.vocab_size)
+    found = {
+        f"{DATA_FOLDER}/{data.SUMMARY}": (summary["tokenizer"], summary["vocab_size"]),
+        "the run folder's tokenizer": (tokenizer.name, tokenizer.vocab_size),
+    }
+    wrong = [
+        f"{where} has {name} of {size} tokens"
+        for where, (name, size) in found.items()
+        if (name, size) != expected
+    ]
+    if wrong:
+        raise ValueError(
+            f"run folder {str(folder)!r} is for tokenizer {expected[0]} of vocab_size "
+            f"{expected[1]}, but " + " and ".join(wrong) + "; start the run again (--overwrite)"
+        )
 
 
 def _unfinished(folder: Path) -> bool:
@@ -314,7 +356,8 @@ def _unfinished(folder: Path) -> bool:
     it was made (empty) and holding nothing but what that start writes."""
     if not (folder / PREPARING).is_file():
         return False
-    return not _foreign_entries(folder, {PREPARING, CONFIG_FILE, STORING, DATA_FOLDER})
+    own = {PREPARING, CONFIG_FILE, STORING, TOKENIZER_FILE, STORING_TOKENIZER, DATA_FOLDER}
+    return not _foreign_entries(folder, own)
 
 
 def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> list[str]:
@@ -336,6 +379,7 @@ def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> 
 
 # Everything a run writes in its folder, checkpoints aside.
 RUN_ENTRIES = {CONFIG_FILE, STORING, PREPARING, DATA_FOLDER, METRICS, f".{METRICS}.tmp", PICTURE}
+RUN_ENTRIES |= {TOKENIZER_FILE, STORING_TOKENIZER}
 
 
 def _check_overwritable(folder: Path) -> None:
@@ -451,9 +495,20 @@ def _step(model, raw, batch, optimizer, scaler, autocast, run, cluster):
     return total, grad_norm, lr
 
 
+def _tokens_per_byte(batches: list[data.Batch], token_bytes: Tensor) -> float:
+    """The targets ``batches`` count per byte those targets stand for (``token_bytes (V,)``
+    per token): the factor from a loss per token to a loss per byte (1.0 for byte tokens)."""
+    targets = torch.cat([batch.targets.flatten() for batch in batches])  # (N,)
+    counted = targets[targets != data.IGNORED]  # (n,)
+    return len(counted) / int(token_bytes[counted].sum())
+
+
 @torch.no_grad()
-def _evaluate(model, raw, validation, autocast, run, model_config, cluster):
-    """Mean loss over the fixed validation batches, its bits per byte, and a greedy sample."""
+def _evaluate(
+    model, raw, validation, tokens_per_byte, tokenizer, autocast, run, model_config, cluster
+):
+    """Mean loss per token over the fixed validation batches, in bits per byte (the summed
+    token losses over the bytes they cover: ``tokens_per_byte``), and a greedy sample."""
     model.eval()
     losses = []
     for batch in validation:  # (B, T) each
@@ -463,10 +518,14 @@ def _evaluate(model, raw, validation, autocast, run, model_config, cluster):
                 loss += cluster.total(_loss(model, micro, share, cluster)).item()
         losses.append(loss)
     model.train()
-    val_loss = sum(losses) / len(losses)
+    val_loss = sum(losses) / len(losses)  # every batch counts as many targets
     sampler = _sampling_model(raw, model_config, cluster)
-    text = generate_text(sampler, run.prompt, run.sample_tokens) if sampler is not None else None
-    return val_loss, val_loss / LN2, text
+    text = (
+        generate_text(sampler, run.prompt, run.sample_tokens, tokenizer=tokenizer)
+        if sampler is not None
+        else None
+    )
+    return val_loss, val_loss * tokens_per_byte / LN2, text
 
 
 def _sampling_model(raw: OctLM, model_config: ModelConfig, cluster: Cluster) -> OctLM | None:
@@ -506,6 +565,12 @@ def _announce(
         f"validation {summary['val_documents']} documents, {summary['val_bytes']:,} bytes"
         + (f"; {summary['empty_skipped']} empty files skipped" if summary["empty_skipped"] else "")
     )
+    if summary["tokenizer"] != "bytes":
+        print(
+            f"tokens: {summary['tokenizer']} of {summary['vocab_size']:,}; train "
+            f"{summary['train_tokens']:,} ({summary['train_bytes'] / summary['train_tokens']:.2f} "
+            f"bytes each), validation {summary['val_tokens']:,}"
+        )
     print(
         f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
         f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, {run.dtype}; "

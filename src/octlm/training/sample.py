@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from octlm.model import ModelConfig, OctLM
+from octlm.tokenizer import BPETokenizer, ByteTokenizer
 from octlm.training import checkpoint
 from octlm.training.config import prompt_bytes, stored_model
 from octlm.training.distributed import local_device
@@ -27,24 +28,32 @@ def generate_text(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
+    tokenizer: ByteTokenizer | BPETokenizer | None = None,
 ) -> str:
-    """``prompt`` continued by ``max_new_tokens`` bytes, decoded as UTF-8 (bad bytes replaced).
+    """``prompt`` continued by ``max_new_tokens`` tokens, encoded and decoded by the model's
+    ``tokenizer`` (default: bytes), as UTF-8 text (bad bytes replaced).
 
     The model knows positions up to ``max_length`` only, so a longer text is decoded in
     windows: when one is full, decoding starts again (a new KV cache) from the last
-    ``max_length // 2`` bytes, as nanoGPT crops its context.
+    ``max_length // 2`` tokens, as nanoGPT crops its context.
     """
-    encoded = prompt_bytes(prompt)
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size} tokens and the model "
+            f"{model.config.vocab_size}: use the tokenizer of the model's run (load_tokenizer)"
+        )
+    encoded = tokenizer.encode(prompt_bytes(prompt))
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if max_new_tokens and model.config.max_length < 2:
         raise ValueError(
-            "generating text needs max_length >= 2 (a byte of context and the next one), got "
+            "generating text needs max_length >= 2 (a token of context and the next one), got "
             f"{model.config.max_length}"
         )
     device = next(model.parameters()).device
     limit = model.config.max_length
-    tokens = torch.tensor([list(encoded)], device=device)  # (1, P)
+    tokens = torch.tensor([encoded], device=device)  # (1, P)
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -59,7 +68,7 @@ def generate_text(
             new += count
     finally:
         model.train(was_training)
-    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+    return tokenizer.decode(tokens[0].tolist()).decode("utf-8", errors="replace")
 
 
 def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int]:
