@@ -20,4 +20,3 @@ def test_a_positional_option_names_its_keyword_and_the_keyword_call(function, op
     assert f"{meant.split('=')[0]} and every other argument are keyword-only" in message
     assert f"{name}(query, key, value, {meant})" in message
     assert "4 positional arguments" in message
-
