@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from octlm import records
-from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.bench import driver, ring, worker
 from octlm.bench.suites import FEATURES, SUITES, Grid, Measurement, suite
 from octlm.bench.worker import FAULT_ENV, flops, matmul_peak

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from octlm.attention import IMPLEMENTATIONS, implementation
 from octlm.attention.registry import taking
-from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.attention.tiles import DEFAULT_BLOCK, KERNELS, parse_block
 
 
 def is_int_at_least(value, minimum: int) -> bool:

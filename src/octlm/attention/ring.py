@@ -50,17 +50,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from octlm.attention.blocks import (
-    DEFAULT_BLOCK,
     Rules,
     accumulation_dtype,
     attend_backward,
     attend_forward,
     merge,
-    parse_block,
     slope_gradient,
 )
 from octlm.attention.inputs import COMMON, Call, attention_function, check
 from octlm.attention.masks import key_range
+from octlm.attention.tiles import DEFAULT_BLOCK, parse_block
 
 # The call keywords ring_attention takes: the common ones, and these structure and score ones.
 RING_KEYWORDS = (*COMMON, "document_ids", "softcap", "alibi_slopes", "sinks")

@@ -32,7 +32,7 @@ import torch
 
 from octlm import records
 from octlm.attention import implementation
-from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.model import KVCache, ModelConfig, OctLM
 
 EXPERIMENT = "bench-decode"

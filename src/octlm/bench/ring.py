@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from octlm import records
 from octlm.attention import ring_attention, tiled_attention
 from octlm.attention.ring import DEFAULT_LAYOUT, LAYOUTS
-from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.bench import guard, memory
 from octlm.bench.suites import DTYPES, MODES
 
