@@ -36,10 +36,10 @@ import torch.multiprocessing as mp
 
 from octlm import records
 from octlm.attention import ring_attention, tiled_attention
-from octlm.attention.ring import DEFAULT_LAYOUT, LAYOUTS
 from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.bench import guard, memory
 from octlm.bench.suites import DTYPES, MODES
+from octlm.context_parallel import DEFAULT_LAYOUT, LAYOUTS
 
 EXPERIMENT = "bench-ring"
 OUTPUT = Path("runs") / "bench-ring-cpu.jsonl"

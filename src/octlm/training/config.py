@@ -32,8 +32,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CONFIG_FILE = "config.json"
 # Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
 # Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
-# checkpoint is a full state dict, and the model's attention may change with it
-# (``INTERCHANGEABLE``).
+# checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
+# dropout: ``INTERCHANGEABLE``) may change with it.
 RESUMABLE = frozenset(
     {"steps", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}

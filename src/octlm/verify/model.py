@@ -13,8 +13,8 @@ from torch import Tensor
 from octlm.attention import IMPLEMENTATIONS
 from octlm.equality import GRADIENT_FACTOR, judge, max_abs_diff
 from octlm.model import KVCache, ModelConfig, OctLM
-from octlm.train import train
 from octlm.verify.cases import Case, outcome, record
+from octlm.verify.loss_curve import loss_curve
 from octlm.verify.plan import Plan
 
 # The implementations one process can run; ring is checked in its own distributed tests.
@@ -151,12 +151,14 @@ def _greedy(
 
 def training(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
     """The same RNG seed, weights and batches give the same float32 loss curve through every
-    attention. ``train`` runs on the CPU, whatever ``device`` is."""
+    attention. ``loss_curve`` runs on the CPU, whatever ``device`` is."""
     config = ModelConfig(**plan.model, n_kv_heads=2, attention="naive")
     case = replace(_model_case(plan, config, plan.train_length), batch=plan.train_batch)
     options = dict(steps=plan.train_steps, batch=plan.train_batch, length=plan.train_length)
-    reference = train(config, dtype=torch.float64, **options)
-    curves = {name: train(replace(config, attention=name), **options) for name in SINGLE_PROCESS}
+    reference = loss_curve(config, dtype=torch.float64, **options)
+    curves = {
+        name: loss_curve(replace(config, attention=name), **options) for name in SINGLE_PROCESS
+    }
     naive_rounding = _relative(curves["naive"], reference)  # float32 against float64
     for name, curve in curves.items():
         relative = _relative(curve, curves["naive"])
