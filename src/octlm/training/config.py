@@ -19,7 +19,7 @@ import torch
 
 from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
-from octlm.model import INTERCHANGEABLE, ModelConfig, OctLM, is_int_at_least
+from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.training.data import VOCAB
 
 PRESETS: dict[str, dict] = {
@@ -133,9 +133,13 @@ def parse_device(text: str) -> torch.device:
 
 
 def parameter_count(config: ModelConfig) -> int:
-    """Parameters of ``OctLM(config)``, counted on the meta device (no memory, no init time)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in OctLM(config).parameters())
+    """Parameters of ``OctLM(config)``, from its sizes alone (no model is built): the tied
+    embedding, then per layer two RMSNorm weights, the fused query/key/value projection, the
+    output projection and SwiGLU's three matrices, and the final RMSNorm."""
+    width, mlp = config.width, config.mlp_width
+    qkv = width * (config.n_heads + 2 * config.n_kv_heads) * config.head_size
+    layer = 2 * width + qkv + width * width + 3 * width * mlp
+    return config.vocab_size * width + config.n_layers * layer + width
 
 
 def preset_summary() -> str:
