@@ -555,9 +555,9 @@ def test_flops_follow_flash_attentions_count():
     assert flops(replace(square, q_len=1)) == 4 * 1 * 2 * 1 * 64 * 16
 
 
-def test_the_day2_sketch_runs_forward_only_and_matches_the_reference():
+def test_the_sketch_runs_forward_only_and_matches_the_reference():
     from octlm.attention import naive_attention
-    from octlm.bench.sketch import day2_sketch
+    from octlm.bench.sketch import sketch_attention
     from octlm.bench.worker import measure
 
     forward, train = tiny("sketch", modes=("forward", "train"))
@@ -565,7 +565,7 @@ def test_the_day2_sketch_runs_forward_only_and_matches_the_reference():
     assert measure(train)["status"] == "unsupported"
     query, key, value = torch.randn(3, 1, 2, 70, 16, dtype=torch.float64)
     torch.testing.assert_close(
-        day2_sketch(query, key, value, block=16), naive_attention(query, key, value)
+        sketch_attention(query, key, value, block=16), naive_attention(query, key, value)
     )
 
 

@@ -19,7 +19,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="runs", help="folder for the records (default runs)")
     parser.add_argument(
-        "--quick", action="store_true", help="fewer sizes and blocks: about a minute on 2 cores"
+        "--quick", action="store_true", help="fewer sizes and blocks, for a quick check"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default cpu)")
     parser.add_argument(
@@ -73,7 +73,9 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
         "--suite",
         choices=[*SUITES, *ALIASES],
         default="baseline",
-        help="named grid (default: baseline, the Day 2 note's grid; seed is its old name)",
+        metavar="{" + ",".join(SUITES) + "}",
+        help="named grid (default: baseline, SDPA MATH vs FLASH and the sketch on the "
+        "reference grid)",
     )
     grid = parser.add_argument_group("grid (default: the suite's)")
     grid.add_argument(
@@ -186,9 +188,9 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 def _report_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm report``: which records, and where the Markdown and plots go."""
     parser.description = (
-        "Tables and plots from records: the Day 2 note's claims beside this machine's "
-        "figures, ratios within rounds and under contention, equivalence, the structure "
-        "cases, ring attention, a training run's metrics, and every plain measurement."
+        "Tables and plots from records: the baseline figures beside this machine's, ratios "
+        "within rounds and under contention, equivalence, the structure cases, ring attention, "
+        "a training run's metrics, and every plain measurement."
     )
     parser.add_argument(
         "paths",

@@ -48,10 +48,9 @@ LOG2E = math.log2(math.e)
 # moves up to that block's maximum and the block is recomputed.
 CEILING = 2.0**16
 # Query blocks per CPU thread, when there are enough rows: blocks are cut smaller to make them,
-# down to THREAD_ROWS rows (smaller tiles cost more in Python than they save). Measured beside
-# one CPU-bound process at 8,192 tokens, 16 blocks for 2 threads made tiled's forward 1.9x
-# slower, 32 blocks 1.6x (SDPA FLASH: 1.5x); at 2,048 tokens 64-row blocks were 1.4x slower
-# than 256-row ones on an idle machine.
+# down to THREAD_ROWS rows. Many blocks per thread let a thread that lost its core leave its
+# share to the others; blocks below THREAD_ROWS rows cost more in Python than they save
+# (docs/benchmarks.md, threads and tiles).
 THREAD_SHARES = 16
 THREAD_ROWS = 128
 # Score offsets (float mask values, sinks) from which scores are kept in natural units.

@@ -1,11 +1,11 @@
 """Tiled attention: the block engine of :mod:`octlm.attention.blocks` behind autograd.
 
-FlashAttention's blocking in plain PyTorch, the Day 2 note's sketch grown up: exact attention
-with O(T) memory on any device PyTorch runs on, differentiable through its own recomputing
-backward (FlashAttention-2). The forward saves only query, key, value, output and two numbers
-per query row (the shift and the sum of the online softmax, from which the log-sum-exp
-follows), plus the caller's own mask, key bounds or document ids; the backward recomputes each
-block's probabilities from them. For CUDA tensors ``kernel="auto"`` takes the Triton kernel instead.
+FlashAttention's blocking in plain PyTorch: exact attention with O(T) memory on any device PyTorch
+runs on, differentiable through its own recomputing backward (FlashAttention-2). The forward saves
+only query, key, value, output and two numbers per query row (the shift and the sum of the online
+softmax, from which the log-sum-exp follows), plus the caller's own mask, key bounds or document
+ids; the backward recomputes each block's probabilities from them. For CUDA tensors
+``kernel="auto"`` takes the Triton kernel instead.
 """
 
 from __future__ import annotations

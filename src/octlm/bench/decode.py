@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         ModelConfig(n_kv_heads=args.kv_heads, block=args.block)  # a bad size fails here
     except ValueError as error:
         parser.error(f"--kv-heads or --block: {error}")
-    try:  # an unwritable output fails now, not after the measurements
+    try:  # an unwritable output fails here, before the measurements
         records.check_writable(args.output, "--output")
     except ValueError as error:
         parser.error(str(error))

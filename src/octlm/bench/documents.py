@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--rounds must be at least 3 for a median and a spread, got {args.rounds}")
     if args.documents > args.length:
         parser.error(f"--documents ({args.documents}) cannot exceed --length ({args.length})")
-    try:  # the records are written at the end, after every round: check now that they can be
+    try:  # the records are written at the end, after every round: check first that they can be
         records.check_writable(args.output, "--output")
     except ValueError as error:
         parser.error(str(error))

@@ -168,8 +168,9 @@ _CUDA_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 _STRUCTURE = Grid(backends=("flash", "tiled", "math"), lengths=(8192,))
 
 SUITES: dict[str, tuple[Grid, ...]] = {
-    # The Day 2 note's grid: forward, batch 1, 8 heads of 32, float32 and bfloat16; and the
-    # note's own tiled sketch, which octlm's tiled attention grew from.
+    # The reference grid: SDPA's MATH against its FLASH backend (and the others) on the CPU,
+    # forward, batch 1, 8 heads of 32, float32 and bfloat16; and the forward-only blocking
+    # sketch that octlm's tiled attention grew from (bench/sketch.py).
     "baseline": (
         Grid(
             backends=("math", "flash", "efficient", "tiled", "naive"),
@@ -209,7 +210,7 @@ SUITES: dict[str, tuple[Grid, ...]] = {
 }
 
 
-# Former suite names that still work.
+# Other names of suites, as committed records name their experiment (``bench-seed``).
 ALIASES = {"seed": "baseline"}
 
 

@@ -154,10 +154,10 @@ def attention_call(measurement: Measurement, query, key, value, keywords: dict) 
     if m.backend == "sketch":
         plain = m.causal and not m.window and not keywords and m.q_len == m.length
         if not plain or m.mode != "forward" or m.kv_heads != m.heads:
-            raise Unsupported("the Day 2 sketch is square causal MHA, forward only")
-        from octlm.bench.sketch import day2_sketch
+            raise Unsupported("the sketch is square causal MHA, forward only")
+        from octlm.bench.sketch import sketch_attention
 
-        return lambda: day2_sketch(query, key, value)
+        return lambda: sketch_attention(query, key, value)
     if m.backend == "triton":
         if query.device.type != "cuda":
             raise Unsupported(f"triton runs on CUDA only, not on {query.device.type}")
