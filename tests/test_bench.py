@@ -574,7 +574,7 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     must reset the peak before the call, read max_memory_allocated after, never RSS, and the
     timer must synchronise on both sides of the step."""
     from octlm.bench import memory
-    from octlm.bench.worker import _timed
+    from octlm.bench.timing import device_fence, time_calls
 
     calls = []
     fake = {
@@ -591,7 +591,7 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     assert memory.peak("cuda") == 350
     assert memory.available("cuda") == 7 * 2**30
     calls.clear()
-    _timed(lambda: calls.append("step"), torch.device("cuda"))
+    time_calls(lambda: calls.append("step"), 1, fence=device_fence(torch.device("cuda")))
     assert calls == ["sync", "step", "sync"]
 
 

@@ -212,11 +212,22 @@ SUITES: dict[str, tuple[Grid, ...]] = {
 
 # Other names of suites, as committed records name their experiment (``bench-seed``).
 ALIASES = {"seed": "baseline"}
+# Suites that are programs of their own, not grids of worker measurements: each module's
+# ``main(argv, prog)`` takes its own options (``octlm bench --suite NAME --help``) and times its
+# calls with the same loop (:mod:`octlm.bench.timing`).
+PROGRAMS = {
+    "decode": "octlm.bench.decode",  # generation speed through the KV cache, tiled vs sdpa
+    "documents": "octlm.bench.documents",  # packed documents: tiled, SDPA, FlexAttention
+    "ring": "octlm.bench.ring",  # ring attention over W processes against tiled in one
+    "training": "octlm.bench.training",  # octlm train's overhead, and each attention in it
+}
 
 
 def suite_name(name: str) -> str:
     """The suite ``name`` stands for (an alias resolved); ``ValueError`` if none."""
     name = ALIASES.get(name, name)
+    if name in PROGRAMS:
+        raise ValueError(f"suite {name!r} is a program: run it as octlm bench --suite {name}")
     if name not in SUITES:
         raise ValueError(f"suite must be one of {sorted([*SUITES, *ALIASES])}, got {name!r}")
     return name
