@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from octlm import KVCache, ModelConfig, OctLM
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge
 from octlm.model import document_positions
-from octlm.train import train
+from octlm.verify.loss_curve import loss_curve
 
 IMPLEMENTATIONS = ("naive", "sdpa", "tiled")
 # Tiny tiles, so that the tiled path really walks several blocks at these short lengths.
@@ -598,17 +598,17 @@ def test_bad_positions_and_cache_batch_raise():
 
 
 def test_training_lowers_the_loss():
-    losses = train(replace(SMALL, n_kv_heads=2, attention="sdpa"), steps=30)
+    losses = loss_curve(replace(SMALL, n_kv_heads=2, attention="sdpa"), steps=30)
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
 
 
 def test_training_is_reproducible_and_the_same_for_every_implementation():
     curves = {
-        name: train(replace(SMALL, n_kv_heads=2, attention=name), steps=20)
+        name: loss_curve(replace(SMALL, n_kv_heads=2, attention=name), steps=20)
         for name in IMPLEMENTATIONS
     }
-    assert train(replace(SMALL, n_kv_heads=2, attention="naive"), steps=20) == curves["naive"]
+    assert loss_curve(replace(SMALL, n_kv_heads=2, attention="naive"), steps=20) == curves["naive"]
     for name in IMPLEMENTATIONS[1:]:
         assert curves[name] == pytest.approx(curves["naive"], rel=1e-4), name
 

@@ -1,8 +1,10 @@
-"""``octlm verify | bench | report``: argument parsing only; the work is in the library."""
+"""``octlm verify | bench | report | train | sample``: argument parsing only; the work is in the
+library."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 
@@ -19,7 +21,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="runs", help="folder for the records (default runs)")
     parser.add_argument(
-        "--quick", action="store_true", help="fewer sizes and blocks: about a minute on 2 cores"
+        "--quick", action="store_true", help="fewer sizes and blocks, for a quick check"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default cpu)")
     parser.add_argument(
@@ -42,13 +44,9 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         verify.check_options(args.device, args.dtypes or (), args.only or ())
         plan = verify.QUICK if args.quick else verify.FULL
-        try:
-            found, paths = verify.run(
-                args.out, plan=plan, device=args.device, dtypes=args.dtypes, experiments=args.only
-            )
-        except KeyboardInterrupt:
-            print(f"octlm verify: interrupted; finished records are in {args.out}", file=sys.stderr)
-            return 130
+        found, paths = verify.run(
+            args.out, plan=plan, device=args.device, dtypes=args.dtypes, experiments=args.only
+        )
         print(verify.summary(found))
         print("records:", *paths, sep="\n  ")
         failed = sum(not record["passed"] for record in found)
@@ -57,23 +55,38 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
         return 1 if failed else 0
 
     # ValueError: an option or an output folder that cannot be written; OSError: a full disk.
-    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
+    parser.set_defaults(
+        run=run, exits={ValueError: 2, OSError: 1},
+        kept=lambda args: f"finished records are in {args.out}",
+    )  # fmt: skip
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm bench``: a named suite, and options that override its grid."""
-    from octlm.bench.suites import ALIASES, BACKENDS, DTYPES, FEATURES, GRID_OPTIONS, MODES, SUITES
+    from octlm.bench.suites import (
+        ALIASES,
+        BACKENDS,
+        DTYPES,
+        FEATURES,
+        GRID_OPTIONS,
+        MODES,
+        PROGRAMS,
+        SUITES,
+    )
 
     parser.description = (
         "Run every measurement of a suite in its own process and append one record per "
         "measurement, in rounds that alternate the backends. Grid options replace the suite's "
-        "value in all of its grids."
+        f"value in all of its grids. The suites {', '.join(PROGRAMS)} are programs with "
+        "options of their own: octlm bench --suite NAME --help."
     )
     parser.add_argument(
         "--suite",
-        choices=[*SUITES, *ALIASES],
+        choices=[*SUITES, *PROGRAMS, *ALIASES],
         default="baseline",
-        help="named grid (default: baseline, the Day 2 note's grid; seed is its old name)",
+        metavar="{" + ",".join([*SUITES, *PROGRAMS]) + "}",
+        help="named grid (default: baseline, SDPA MATH vs FLASH and the sketch on the "
+        "reference grid)",
     )
     grid = parser.add_argument_group("grid (default: the suite's)")
     grid.add_argument(
@@ -168,6 +181,8 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         from octlm.bench.driver import bench
 
+        if args.suite in PROGRAMS:  # reached only through an abbreviated --suite
+            raise ValueError(f"write --suite {args.suite} in full: it takes its own options")
         grid_options = {name: getattr(args, name) for name in GRID_OPTIONS}
         return bench(
             args.suite,
@@ -186,9 +201,9 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 def _report_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm report``: which records, and where the Markdown and plots go."""
     parser.description = (
-        "Tables and plots from records: the Day 2 note's claims beside this machine's "
-        "figures, ratios within rounds and under contention, equivalence, the structure "
-        "cases, ring attention, a training run's metrics, and every plain measurement."
+        "Tables and plots from records: the baseline figures beside this machine's, ratios "
+        "within rounds and under contention, equivalence, the structure cases, ring attention, "
+        "a training run's metrics, and every plain measurement."
     )
     parser.add_argument(
         "paths",
@@ -322,18 +337,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one verb. An error it expects (``exits``: a bad option or input, 2 by default; a
-    full disk, 1) is one line on stderr and that exit status, never a traceback; so is Ctrl-C
-    (130) where the verb does not say more itself."""
+    full disk, 1) is one line on stderr and that exit status, never a traceback; so are Ctrl-C
+    (130), SIGTERM and SIGHUP (128 + the signal) where the verb does not say more itself.
+
+    ``octlm bench --suite NAME`` for a program suite (:data:`octlm.bench.suites.PROGRAMS`) is
+    that program, given the other arguments: its options are its own, not the grid's.
+    """
+    from octlm.bench.guard import run_stoppable
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    program = _program_suite(argv)
+    if program is not None:
+        name, rest = program
+        from octlm.bench.suites import PROGRAMS
+
+        return importlib.import_module(PROGRAMS[name]).main(
+            rest, prog=f"octlm bench --suite {name}"
+        )
     args = build_parser().parse_args(argv)
     exits = getattr(args, "exits", {ValueError: 2})
-    try:
-        return int(args.run(args) or 0)
-    except tuple(exits) as error:
-        print(f"octlm {args.command}: {error}", file=sys.stderr)
-        return next(code for kind, code in exits.items() if isinstance(error, kind))
-    except KeyboardInterrupt:  # one the verb does not handle itself (while it starts up)
-        print(f"octlm {args.command}: interrupted", file=sys.stderr)
-        return 130
+    kept = getattr(args, "kept", None)
+    return run_stoppable(
+        f"octlm {args.command}", lambda: args.run(args), exits, kept(args) if kept else None
+    )
+
+
+def _program_suite(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(suite, the other arguments)`` when ``argv`` is ``bench --suite NAME ...`` with a
+    program suite ``NAME``; None otherwise."""
+    if not argv or argv[0] != "bench":
+        return None
+    from octlm.bench.suites import PROGRAMS
+
+    for index, argument in enumerate(argv[1:], start=1):
+        if argument == "--suite" and index + 1 < len(argv) and argv[index + 1] in PROGRAMS:
+            return argv[index + 1], argv[1:index] + argv[index + 2 :]
+        if argument.startswith("--suite=") and argument.split("=", 1)[1] in PROGRAMS:
+            return argument.split("=", 1)[1], argv[1:index] + argv[index + 1 :]
+    return None
 
 
 if __name__ == "__main__":

@@ -12,12 +12,9 @@ heads in place, so the model never repeats them.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +22,8 @@ from torch import Tensor, nn
 
 from octlm.attention import IMPLEMENTATIONS, implementation
 from octlm.attention.registry import taking
-from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.attention.tiles import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.files import read_model, write_model
 
 
 def is_int_at_least(value, minimum: int) -> bool:
@@ -33,10 +31,11 @@ def is_int_at_least(value, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-# ModelConfig fields that say how attention is computed, not what the model computes: every
-# implementation, tile and kernel gives the same function of the same weights, so a checkpoint
-# loads, and a run resumes, under any of their values.
-INTERCHANGEABLE = frozenset({"attention", "block", "kernel"})
+# ModelConfig fields that say how a model runs, not which weights it has or what they compute:
+# every implementation, tile and kernel gives the same function of the same weights, and
+# dropout acts only while training. Weights load, a cache serves and a run resumes under any of
+# their values.
+INTERCHANGEABLE = frozenset({"attention", "block", "kernel", "dropout"})
 
 
 @dataclass
@@ -108,17 +107,13 @@ class ModelConfig:
         return 8 * -(-self.width // 3)
 
 
-# How a model runs, not what it computes: weights and caches move freely between configs that
-# differ only in these.
-RUNTIME_FIELDS = ("attention", "block", "kernel", "dropout")
-
-
 def differing_fields(first: ModelConfig, second: ModelConfig) -> list[str]:
-    """``"name=a vs b"`` for every field other than the runtime ones in which the configs differ."""
+    """``"name=a vs b"`` for every field beyond the interchangeable ones in which the configs
+    differ."""
     return [
         f"{field.name}={getattr(first, field.name)!r} vs {getattr(second, field.name)!r}"
         for field in fields(ModelConfig)
-        if field.name not in RUNTIME_FIELDS
+        if field.name not in INTERCHANGEABLE
         and getattr(first, field.name) != getattr(second, field.name)
     ]
 
@@ -370,29 +365,9 @@ class OctLM(nn.Module):
             )
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the weights, the config and a checksum to ``path``.
-
-        Atomic: the file is written beside ``path`` under another name, fsynced and renamed,
-        so a crash leaves the old file or the new one, never a torn one.
-        """
-        path = Path(path)
-        state = self.state_dict()
-        contents = {"format": FILE_FORMAT, "sha256": checksum(state), "state_dict": state}
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(descriptor, "wb") as out:
-                torch.save(contents, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself survives a crash
-        finally:
-            os.close(directory)
+        """Write the weights, the config and a checksum to ``path``, atomically: a crash
+        leaves the old file or the new one (:func:`octlm.files.write_model`)."""
+        write_model(path, self.state_dict())
 
     @classmethod
     def load(
@@ -407,20 +382,7 @@ class OctLM(nn.Module):
         unknown = sorted(set(changes) - {field.name for field in fields(ModelConfig)})
         if unknown:
             raise TypeError(f"OctLM.load got fields that ModelConfig does not have: {unknown}")
-        try:
-            contents = torch.load(path, map_location=map_location, weights_only=True)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
-            raise  # the file is missing or unreadable, not damaged
-        except Exception as error:  # torch reports a damaged file in many ways, OSError among them
-            raise ValueError(
-                f"cannot read an octlm model from {str(path)!r} (torn or corrupted file?): "
-                f"{type(error).__name__}: {str(error)[:200]}"
-            ) from error
-        if not isinstance(contents, dict) or contents.get("format") != FILE_FORMAT:
-            raise ValueError(f"{str(path)!r} is not an octlm model file written by OctLM.save")
-        state = contents.get("state_dict")
-        if not isinstance(state, dict) or checksum(state) != contents.get("sha256"):
-            raise ValueError(f"{str(path)!r} is corrupted: its checksum does not match")
+        state = read_model(path, map_location)
         model = cls(replace(saved_config(state.get("_extra_state")), **changes))
         model.to(state["embedding.weight"].dtype)  # the dtype it was saved in, not the default
         model.load_state_dict(state)
@@ -591,9 +553,6 @@ class OctLM(nn.Module):
         return torch.cat(tokens, dim=1)
 
 
-FILE_FORMAT = "octlm.OctLM/1"
-
-
 def document_positions(document_ids: Tensor) -> Tensor:
     """Each token's RoPE position ``(B, T)``: how many tokens of its document precede it.
 
@@ -620,38 +579,6 @@ def saved_config(state: object) -> ModelConfig:
         return ModelConfig(**state["config"])
     except TypeError as error:
         raise ValueError(f"the saved model config is not one this octlm reads: {error}") from error
-
-
-def checksum(state: dict, *, nested: bool = False) -> str:
-    """SHA-256 over every entry of a state dict: names, dtypes, shapes and bytes; any other
-    value by its ``repr``. With ``nested``, dicts, lists and tuples are walked into (a training
-    checkpoint's optimizer state), since a ``repr`` shows a large tensor only in part. Model
-    files use the flat digest they were always saved with."""
-    digest = hashlib.sha256()
-    _digest_entries(digest, state, nested)
-    return digest.hexdigest()
-
-
-def _digest_entries(digest, state: dict, nested: bool) -> None:
-    for name in sorted(state, key=str):
-        digest.update(str(name).encode())
-        _digest_value(digest, state[name], nested)
-
-
-def _digest_value(digest, value, nested: bool) -> None:
-    if isinstance(value, Tensor):
-        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        flat = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # raw bytes
-        digest.update(flat.numpy())
-    elif nested and isinstance(value, dict):
-        digest.update(f"{{{len(value)}".encode())
-        _digest_entries(digest, value, nested)
-    elif nested and isinstance(value, list | tuple):
-        digest.update(f"[{len(value)}".encode())
-        for item in value:
-            _digest_value(digest, item, nested)
-    else:
-        digest.update(repr(value).encode())
 
 
 def sample(

@@ -40,20 +40,17 @@ from octlm.attention.masks import (
     padding_mask,
 )
 from octlm.attention.threads import parallel_map, workers
+from octlm.attention.tiles import DEFAULT_BLOCK
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
 # The most one block's weights may sum to (relative to the row's shift) before the shift
 # moves up to that block's maximum and the block is recomputed.
 CEILING = 2.0**16
-# Rows and keys per tile. Tuned on a 2-core CPU at 8,192 tokens, 8 heads of 32: smaller tiles
-# pay Python overhead per block, larger ones fall out of cache.
-DEFAULT_BLOCK = (512, 256)
 # Query blocks per CPU thread, when there are enough rows: blocks are cut smaller to make them,
-# down to THREAD_ROWS rows (smaller tiles cost more in Python than they save). Measured beside
-# one CPU-bound process at 8,192 tokens, 16 blocks for 2 threads made tiled's forward 1.9x
-# slower, 32 blocks 1.6x (SDPA FLASH: 1.5x); at 2,048 tokens 64-row blocks were 1.4x slower
-# than 256-row ones on an idle machine.
+# down to THREAD_ROWS rows. Many blocks per thread let a thread that lost its core leave its
+# share to the others; blocks below THREAD_ROWS rows cost more in Python than they save
+# (docs/benchmarks.md, threads and tiles).
 THREAD_SHARES = 16
 THREAD_ROWS = 128
 # Score offsets (float mask values, sinks) from which scores are kept in natural units.
@@ -63,18 +60,6 @@ FUSED_SHIFT_ROWS = 64
 # The largest shift (in score units) the backward lets ride in the matmul: inside it, the
 # shift's rounding joins the sum of products; past it, scores are formed first, as naive does.
 FUSED_SHIFT_LIMIT = 64.0
-
-
-def parse_block(block: int | tuple[int, int]) -> tuple[int, int]:
-    """``block`` as ``(block_q, block_k)``; an int sets both."""
-    pair = (block, block) if isinstance(block, int) and not isinstance(block, bool) else block
-    if (
-        not isinstance(pair, tuple | list)
-        or len(pair) != 2
-        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in pair)
-    ):
-        raise ValueError(f"block must be an int >= 1 or a pair (block_q, block_k), got {block!r}")
-    return int(pair[0]), int(pair[1])
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,6 +9,6 @@ Records: docs/design.md §5.
 - :mod:`octlm.bench.memory`: the memory probes and the score-matrix estimate.
 - :mod:`octlm.bench.ring`: ring attention over several processes.
 
-A fresh process per measurement because ``ru_maxrss`` is a lifetime peak: the Day 2 note saw
-one backend's peak leak into the next row when they shared a process.
+A fresh process per measurement because ``ru_maxrss`` is a lifetime peak: backends measured
+one after another in one process would each report the largest peak so far.
 """

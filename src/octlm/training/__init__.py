@@ -10,8 +10,18 @@
 - :mod:`~octlm.training.sample`: text from a run folder's latest checkpoint
 """
 
+import importlib
+
 from octlm.training.config import PRESETS, RunConfig, resolve
-from octlm.training.loop import Outcome, train
-from octlm.training.sample import generate_text, load_run
 
 __all__ = ["PRESETS", "Outcome", "RunConfig", "generate_text", "load_run", "resolve", "train"]
+# Names whose modules import torch's distributed checkpointing and FSDP, loaded on first use so
+# that reading the configuration (``octlm train --help``) does not pay for them.
+_LAZY = {"Outcome": "loop", "train": "loop", "generate_text": "sample", "load_run": "sample"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'octlm.training' has no attribute {name!r}")
+    module = importlib.import_module(f"octlm.training.{_LAZY[name]}")
+    return getattr(module, name)

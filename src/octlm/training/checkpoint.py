@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from octlm.model import INTERCHANGEABLE, ModelConfig, checksum
+from octlm.files import checksum
+from octlm.model import INTERCHANGEABLE, ModelConfig
 
 FORMAT = "octlm-train-1"
 PATTERN = re.compile(r"checkpoint-(\d+)\.pt")

@@ -19,7 +19,7 @@ import torch
 
 from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
-from octlm.model import INTERCHANGEABLE, ModelConfig, OctLM, is_int_at_least
+from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 
 PRESETS: dict[str, dict] = {
@@ -32,8 +32,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CONFIG_FILE = "config.json"
 # Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
 # Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
-# checkpoint is a full state dict, and the model's attention may change with it
-# (``INTERCHANGEABLE``).
+# checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
+# dropout: ``INTERCHANGEABLE``) may change with it.
 RESUMABLE = frozenset(
     {"steps", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
@@ -141,9 +141,13 @@ def parse_device(text: str) -> torch.device:
 
 
 def parameter_count(config: ModelConfig) -> int:
-    """Parameters of ``OctLM(config)``, counted on the meta device (no memory, no init time)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in OctLM(config).parameters())
+    """Parameters of ``OctLM(config)``, from its sizes alone (no model is built): the tied
+    embedding, then per layer two RMSNorm weights, the fused query/key/value projection, the
+    output projection and SwiGLU's three matrices, and the final RMSNorm."""
+    width, mlp = config.width, config.mlp_width
+    qkv = width * (config.n_heads + 2 * config.n_kv_heads) * config.head_size
+    layer = 2 * width + qkv + width * width + 3 * width * mlp
+    return config.vocab_size * width + config.n_layers * layer + width
 
 
 def preset_summary() -> str:

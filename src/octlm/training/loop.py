@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.checkpoint import checkpoint as recompute
 from tqdm.auto import tqdm
 
+from octlm.context_parallel import context_parallel_loss
 from octlm.model import ModelConfig, OctLM
-from octlm.parallel import context_parallel_loss
 from octlm.tokenizer import STORING as STORING_TOKENIZER
 from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import checkpoint, data, distributed
