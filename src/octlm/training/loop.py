@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.checkpoint import checkpoint as recompute
 from tqdm.auto import tqdm
 
+from octlm.attention import implementation
 from octlm.model import ModelConfig, OctLM
 from octlm.parallel import context_parallel_loss
 from octlm.training import checkpoint, data, distributed
@@ -221,7 +222,7 @@ def _store_config(folder: Path, model_config: ModelConfig, run: RunConfig) -> No
 def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> None:
     """Raise ValueError (on every rank alike) for a run these processes cannot do."""
     if (
-        model_config.attention == "tiled"
+        "kernel" in implementation(model_config.attention).tuning
         and model_config.kernel == "triton"
         and cluster.device.type != "cuda"
     ):

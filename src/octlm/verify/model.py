@@ -48,7 +48,7 @@ def _model_case(plan: Plan, config: ModelConfig, length: int) -> Case:
 
 
 def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
-    """The whole model, identical weights, through sdpa and tiled vs naive: logits and every
+    """The whole model, identical weights, through sdpa, tiled and auto vs naive: logits and every
     parameter's gradient of the cross-entropy, at each number of KV heads (the Day 2 note's 1.1e-6).
     Gradients are judged parameter by parameter; the record names the worst one."""
     generator = torch.Generator().manual_seed(0)
@@ -63,7 +63,9 @@ def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) ->
         )
         for dtype in dtypes:
             base = _logits_and_grads(_model(config, "naive", state, device, dtype), inputs, targets)
-            for name in ("sdpa", "tiled"):
+            for name in SINGLE_PROCESS:
+                if name == "naive":
+                    continue  # the base
                 model = _model(config, name, state, device, dtype)
                 logits, grads = _logits_and_grads(model, inputs, targets)
                 verdict = judge(logits, base[0], reference[0])
