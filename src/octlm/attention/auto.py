@@ -1,6 +1,6 @@
 """``attention="auto"``: per call, the faster exact path of ``sdpa`` and ``tiled``.
 
-:func:`route` holds the whole rule (docs/design.md §3.1) and says what it chose and why;
+:func:`route` holds the whole rule (docs/design.md §3) and says what it chose and why;
 :func:`auto_attention` follows it. Both implementations compute the same function (§4), so the
 choice changes speed and memory, never the result beyond rounding.
 
