@@ -7,9 +7,11 @@ Lines are of two kinds:
 
 - ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
   whole global batch), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
-  ``memory_metric`` and ``peak_bytes``;
+  ``train_seconds`` (training time so far, over every launch, evaluations excluded: what a
+  time budget spends), ``memory_metric`` and ``peak_bytes``;
 - ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss``,
-  ``val_bits_per_byte`` and ``sample`` (bytes generated from the fixed prompt).
+  ``val_bits_per_byte``, ``sample`` (bytes generated from the fixed prompt) and
+  ``train_seconds``.
 """
 
 from __future__ import annotations
