@@ -391,7 +391,7 @@ def test_suites_expand_to_the_issue_grids():
     }  # fmt: skip
     assert {m.backend for m in suite("structure")} == {"flash", "tiled", "math"}
     assert {m.device for m in suite("cuda")} == {"cuda"}
-    assert set(SUITES) == {"baseline", "train", "structure", "cuda"}
+    assert set(SUITES) == {"baseline", "train", "structure", "route", "cuda"}
 
 
 @pytest.mark.parametrize("feature", FEATURES)
