@@ -231,7 +231,7 @@ IDS = torch.zeros(2, 4, dtype=torch.long)
         (IDS[:, :3], {}, ValueError, r"shape of tokens \(2, 4\), got \(2, 3\)"),
         (IDS.to("meta"), {}, ValueError, r"is on meta but tokens are on cpu"),
         (IDS, {"positions": torch.arange(4)}, ValueError, r"pass positions or document_ids"),
-        (IDS, {"attention": "ring"}, ValueError, r"in \('naive', 'sdpa', 'tiled'\); 'ring'"),
+        (IDS, {"attention": "ring"}, ValueError, r"'sdpa', 'tiled', 'auto'\); 'ring' does not"),
     ],
 )
 def test_bad_document_ids_raise(document_ids, options, error, match):
