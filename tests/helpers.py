@@ -121,16 +121,21 @@ def assert_like_reference(tested: Tensor, query: Tensor, key: Tensor, value: Ten
     assert_judged(tested, naive_attention(query, key, value, **options), golden)
 
 
+def with_block(function, block):
+    """``function`` (one that takes tiles) with its ``block`` bound."""
+    return lambda *args, **kw: function(*args, block=block, **kw)
+
+
 def tiled(block):
     """``tiled_attention`` with its ``block`` bound."""
-    return lambda *args, **kw: tiled_attention(*args, block=block, **kw)
+    return with_block(tiled_attention, block)
 
 
 def implementations_with(feature: str, block=(16, 32)) -> dict:
-    """Every registered implementation that takes ``feature``, tiled with small blocks (so
-    short inputs still cut into several)."""
+    """Every registered implementation that takes ``feature``, those with tiles given small
+    blocks (so short inputs still cut into several)."""
     return {
-        name: tiled(block) if "block" in impl.tuning else impl.function
+        name: with_block(impl.function, block) if "block" in impl.tuning else impl.function
         for name, impl in IMPLEMENTATIONS.items()
         if feature in impl.features
     }

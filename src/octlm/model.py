@@ -1,4 +1,4 @@
-"""A small decoder-only language model whose attention runs naive, sdpa, tiled or ring.
+"""A small decoder-only language model whose attention runs naive, sdpa, tiled, auto or ring.
 
 tokens -> embedding -> n_layers x [RMSNorm -> attention -> +, RMSNorm -> SwiGLU -> +]
        -> RMSNorm -> logits through the embedding matrix (tied head)
@@ -42,11 +42,13 @@ INTERCHANGEABLE = frozenset({"attention", "block", "kernel", "dropout"})
 class ModelConfig:
     """Sizes and the attention implementation; checked on construction.
 
-    ``n_kv_heads`` defaults to ``n_heads`` (MHA). ``block`` and ``kernel`` are used by
-    ``tiled`` only: ``kernel="pytorch"`` keeps CUDA tensors off the Triton kernel.
+    ``attention="auto"`` takes, per call, the faster of sdpa and tiled
+    (:func:`octlm.attention.route`). ``n_kv_heads`` defaults to ``n_heads`` (MHA). ``block`` and
+    ``kernel`` are tiled's (auto's too, for the calls it gives tiled): ``kernel="pytorch"``
+    keeps CUDA tensors off the Triton kernel.
     ``window > 0`` lets each position see itself and the ``window - 1`` before it. ``dropout``
-    applies to attention weights and residual branches while training; only naive and sdpa
-    have attention dropout.
+    applies to attention weights and residual branches while training; only naive, sdpa
+    and auto (through sdpa) have attention dropout.
     """
 
     vocab_size: int = 256
@@ -55,7 +57,7 @@ class ModelConfig:
     n_heads: int = 8
     n_kv_heads: int | None = None
     max_length: int = 2048
-    attention: str = "sdpa"
+    attention: str = "auto"
     block: int | tuple[int, int] = DEFAULT_BLOCK
     kernel: str = "auto"
     window: int = 0

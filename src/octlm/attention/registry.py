@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from octlm.attention.auto import auto_attention
 from octlm.attention.inputs import FEATURES
 from octlm.attention.naive import naive_attention
 from octlm.attention.ring import ring_attention
@@ -59,6 +60,15 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
             tiled_attention,
             "FlashAttention's blocking in PyTorch, O(Q+K) memory",
             dropout=False,
+            mask_grad=True,
+            tuning=("block", "kernel"),
+            features=FEATURES,
+        ),
+        Implementation(
+            "auto",
+            auto_attention,
+            "per call, sdpa or tiled, whichever is faster for its structure (route)",
+            dropout=True,
             mask_grad=True,
             tuning=("block", "kernel"),
             features=FEATURES,

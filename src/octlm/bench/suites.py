@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from octlm.attention.tiles import DEFAULT_BLOCK
 
-BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "sketch", "triton")
+BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "sketch", "triton", "auto")
 # The structure and score keywords a measurement may add (docs/design.md §2), each in one fixed
 # form: 8 packed documents of equal length; left padding of the ``padding`` fraction of keys
 # (``key_starts``, where ``padding`` alone is right padding by ``key_lengths``); a softcap of
@@ -166,6 +166,7 @@ GRID_OPTIONS = tuple(f.name for f in fields(Grid))
 _CPU_LENGTHS = (1024, 2048, 4096, 8192)
 _CUDA_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 _STRUCTURE = Grid(backends=("flash", "tiled", "math"), lengths=(8192,))
+_ROUTE = Grid(backends=("auto", "flash", "tiled"), lengths=(8192,))
 
 SUITES: dict[str, tuple[Grid, ...]] = {
     # The reference grid: SDPA's MATH against its FLASH backend (and the others) on the CPU,
@@ -195,6 +196,17 @@ SUITES: dict[str, tuple[Grid, ...]] = {
         replace(_STRUCTURE, features=("documents",), modes=("forward", "train")),
         replace(_STRUCTURE, features=("left padding",), paddings=(0.5,)),
         replace(_STRUCTURE, features=("softcap", "alibi", "sinks"), modes=("forward", "train")),
+    ),
+    # attention="auto" beside the two paths it chooses between (SDPA's FLASH, tiled), on each
+    # case of its rule (octlm.attention.route): plain causal, a window, packed documents, right
+    # padding, the score modifiers and sinks, one decoding row and a chunk after a cache.
+    "route": (
+        replace(_ROUTE, modes=("forward", "train")),
+        replace(_ROUTE, windows=(512,)),
+        replace(_ROUTE, features=("documents",), modes=("forward", "train")),
+        replace(_ROUTE, paddings=(0.5,)),
+        replace(_ROUTE, features=("softcap", "alibi", "sinks")),
+        replace(_ROUTE, q_lens=(1, 1024)),
     ),
     "cuda": (
         Grid(

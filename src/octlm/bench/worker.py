@@ -26,7 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from octlm import records
-from octlm.attention import IMPLEMENTATIONS, sdpa_attention
+from octlm.attention import IMPLEMENTATIONS, route, sdpa_attention
 from octlm.bench import memory
 from octlm.bench.guard import die_with_parent
 from octlm.bench.suites import Measurement
@@ -142,8 +142,9 @@ def attention_call(measurement: Measurement, query, key, value, keywords: dict) 
         unknown = sorted(set(keywords) - {"key_lengths", *impl.features})
         if unknown:
             raise Unsupported(f"{m.backend} takes no {', '.join(unknown)}")
-        # The Triton kernel is its own backend: tiled is timed as plain PyTorch.
-        tuning = {"block": tuple(m.block), "kernel": "pytorch"} if "block" in impl.tuning else {}
+        # The Triton kernel is its own backend: tiled is timed as plain PyTorch. A backend
+        # measured without a block (auto) runs with its own defaults.
+        tuning = {"block": tuple(m.block), "kernel": "pytorch"} if m.block is not None else {}
         return lambda: impl.function(query, key, value, **keywords, **options, **tuning)
     if m.backend in SDPA:
 
@@ -221,6 +222,9 @@ def _run(m: Measurement) -> dict:
     learned = [x for x in keywords.values() if isinstance(x, torch.Tensor) and x.requires_grad]
     grad_out = torch.randn_like(query, requires_grad=False) if train else None
     call = attention_call(m, query, key, value, keywords)
+    chosen = {}
+    if m.backend == "auto":  # its record says which path it took and why
+        chosen["route"] = route(query, key, value, causal=m.causal, window=m.window, **keywords)[1]
 
     def step() -> None:
         out = call()
@@ -237,6 +241,7 @@ def _run(m: Measurement) -> dict:
     median = timing["seconds_median"]
     return {
         "status": "ok",
+        **chosen,
         **timing,
         "tflops": flops(m) / median / 1e12 if median > 0 else None,
         "peak_bytes": peak,

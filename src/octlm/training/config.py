@@ -21,6 +21,7 @@ from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
+from octlm.training.budget import parse_duration
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2),
@@ -30,12 +31,14 @@ PRESETS: dict[str, dict] = {
 DEFAULT_PRESET = "tiny"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_FILE = "config.json"
+# Optimizer steps of a run that sets neither --steps nor --time-budget.
+DEFAULT_STEPS = 1000
 # Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
 # Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
 # checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
 # dropout: ``INTERCHANGEABLE``) may change with it.
 RESUMABLE = frozenset(
-    {"steps", "device", "compile", "checkpoint_activations", "eval_every"}
+    {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
     | {"fsdp", "context_parallel"}
 )
@@ -69,7 +72,15 @@ class RunConfig:
         "fill each row with whole documents that attend only within themselves (documents "
         "longer than a row are cut into row-sized pieces; the rest of a row is padding)"
     )
-    steps: int = _option(1000, "optimizer steps")
+    steps: int | None = _option(
+        None, f"optimizer steps (default {DEFAULT_STEPS}; with --time-budget, no limit)"
+    )
+    time_budget: str | None = _option(
+        None,
+        "train for this much wall-clock time (90s, 10m, 1h30m): the learning rate's cosine "
+        "follows the training time used (evaluations excluded) and the run ends with an "
+        "evaluation and a checkpoint once it is spent; with --steps, at whichever comes first",
+    )
     batch: int = _option(16, "sequences per optimizer step, over all ranks and --accumulate")
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
@@ -94,7 +105,10 @@ class RunConfig:
     context_parallel: bool = _switch("split each sequence across ranks with ring attention")
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch", "length", "accumulate", "eval_every", "eval_batches")
+        if self.steps is None and self.time_budget is None:
+            self.steps = DEFAULT_STEPS
+        positive = ("batch", "length", "accumulate", "eval_every", "eval_batches")
+        positive += ("steps",) if self.steps is not None else ()
         positive += ("checkpoint_every", "keep", "log_every")
         for name in positive:
             if not is_int_at_least(getattr(self, name), 1):
@@ -111,6 +125,8 @@ class RunConfig:
         if self.seed >= 2**63:  # seeds derived from it (seed + rank) must stay in int64
             raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
         prompt_bytes(self.prompt)
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
         if self.device is not None:
             parse_device(self.device)
         for name, low, high in (("val_share", 0, 1), ("min_lr_ratio", 0, 1)):
@@ -129,6 +145,11 @@ class RunConfig:
             raise ValueError(f"tokenizer must be one of {NAMES}, got {self.tokenizer!r}")
         if self.fsdp and self.context_parallel:
             raise ValueError("fsdp and context_parallel cannot be combined: choose one")
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """``time_budget`` in seconds; None without one."""
+        return None if self.time_budget is None else parse_duration(self.time_budget)
 
 
 def parse_device(text: str) -> torch.device:

@@ -3,7 +3,8 @@
 One optimizer step draws the global batch ``(B, T)`` (the same on every rank): random windows,
 or with ``pack`` rows of whole documents kept apart by ``document_ids``. It keeps this rank's
 rows (or, under context parallelism, all rows and this rank's positions), cuts them into
-``accumulate`` micro-batches, and adds their gradients; then clipping, AdamW, the schedule.
+``accumulate`` micro-batches, and adds their gradients; then clipping, AdamW, the schedule
+(over the steps, or over the training time of a ``time_budget``, which also ends the run).
 The loss is the mean over the targets the global batch counts (packing ignores some), so
 accumulation and ranks leave it unchanged. Losses per byte (bits) divide the summed token
 losses by the bytes those tokens stand for, so runs with other tokenizers compare.
@@ -20,8 +21,10 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,11 +35,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.checkpoint import checkpoint as recompute
 from tqdm.auto import tqdm
 
+from octlm.attention import implementation
 from octlm.context_parallel import context_parallel_loss
 from octlm.model import ModelConfig, OctLM
 from octlm.tokenizer import STORING as STORING_TOKENIZER
 from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import checkpoint, data, distributed
+from octlm.training.budget import Stopwatch
 from octlm.training.config import (
     CONFIG_FILE,
     DTYPES,
@@ -88,6 +93,7 @@ def train(
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Outcome:
     """Train ``OctLM(model_config)`` as ``run`` says, keeping everything in the folder ``out``.
 
@@ -95,16 +101,19 @@ def train(
     latest checkpoint there. Under torchrun every process calls this; rank 0 writes the files.
     SIGINT and SIGTERM end the run after the current step, with a checkpoint; before the
     first step they raise :class:`Interrupted`, and the next start clears what was prepared.
+    ``clock`` (seconds) measures the training time that ``run.time_budget`` spends.
     """
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
     try:
         with _stop_on_signals() as stop:
-            return _train(model_config, run, Path(out), cluster, resume, overwrite, progress, stop)
+            return _train(
+                model_config, run, Path(out), cluster, resume, overwrite, progress, stop, clock
+            )
     finally:
         distributed.teardown(cluster)
 
 
-def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop) -> Outcome:
+def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop, clock) -> Outcome:
     _check_run(model_config, run, cluster)
     summary = _on_main(cluster, lambda: _prepare(folder, model_config, run, resume, overwrite))
     tokens = {
@@ -118,9 +127,11 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         _recompute_blocks(raw)
     distributed.shard(raw, cluster)
     optimizer = make_optimizer(raw, run.lr, run.weight_decay)
+    stopwatch = Stopwatch(clock)  # training time, over every launch of the run
     scheduler = make_scheduler(
-        optimizer, warmup=run.warmup, steps=run.steps, min_ratio=run.min_lr_ratio
-    )
+        optimizer, warmup=run.warmup, steps=run.steps, min_ratio=run.min_lr_ratio,
+        budget=run.budget_seconds, elapsed=lambda: stopwatch.elapsed,
+    )  # fmt: skip
     scaler = torch.amp.GradScaler(cluster.device.type, enabled=run.dtype == "float16")
     batches = (
         data.PackedBatches(
@@ -135,11 +146,19 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     metrics = Metrics(folder, cluster.device, enabled=cluster.is_main)
     start = 0
     if resume:
-        start = _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster)
-        if start >= run.steps:
+        start = _restore(
+            folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster, stopwatch
+        )
+        if run.steps is not None and start >= run.steps:
             raise ValueError(
                 f"--resume: the run in {str(folder)!r} is at step {start} already and --steps is "
                 f"{run.steps}: pass a larger --steps to train it further"
+            )
+        if run.time_budget is not None and stopwatch.elapsed >= run.budget_seconds:
+            raise ValueError(
+                f"--resume: the run in {str(folder)!r} has trained for {stopwatch.elapsed:.0f} s "
+                f"already and --time-budget is {run.time_budget}: pass a larger --time-budget "
+                "to train it further"
             )
         metrics.forget_after(start)
     model = distributed.wrap(raw, cluster)
@@ -161,9 +180,12 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     began, tokens_seen = time.perf_counter(), 0
     last_eval, stopped_by = None, None
     step = start
-    for step in range(start + 1, run.steps + 1):
+    stopwatch.start()
+    for step in range(start + 1, (run.steps or sys.maxsize) + 1):
         batch = batches.next(run.batch)  # (B, T) each, the same on every rank
         loss, grad_norm, lr = _step(model, raw, batch, optimizer, scaler, autocast, run, cluster)
+        # Under a budget the schedule and the end follow rank 0's clock on every rank.
+        stopwatch.lap(cluster.share if run.time_budget else None)
         scheduler.step()
         if resume and step == start + 1 and cluster.is_main:
             # Its first step worked: the run keeps what the flags changed (more steps, another
@@ -173,7 +195,8 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         bar.update()
         tokens_seen += run.batch * run.length
         signalled = cluster.any(stop["signal"] is not None)
-        final = step == run.steps or signalled
+        spent = run.time_budget is not None and stopwatch.elapsed >= run.budget_seconds
+        final = step == run.steps or signalled or spent
         train_loss = None
         if step % run.log_every == 0 or final:
             train_loss = cluster.total(loss).item()
@@ -182,6 +205,7 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
             metrics.write(
                 "train_step", step=step, loss=train_loss, bits_per_byte=bits_per_byte, lr=lr,
                 grad_norm=grad_norm.item(), tokens_per_second=tokens_seen / seconds,
+                train_seconds=stopwatch.elapsed,
                 **peak_memory(cluster.device),
             )  # fmt: skip
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_seen / seconds:,.0f}")
@@ -189,17 +213,20 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
         # Before the evaluation: an evaluation that fails (memory, a full disk) loses no step.
         if step % run.checkpoint_every == 0 or final:
             _save(
-                folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster
-            )
-        if step % run.eval_every == 0 or step == run.steps:
-            train_loss = cluster.total(loss).item() if train_loss is None else train_loss
-            last_eval = _evaluate(
-                model, raw, validation, val_tokens_per_byte, tokenizer, autocast, run,
-                model_config, cluster,
+                folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run,
+                cluster, stopwatch.elapsed,
             )  # fmt: skip
+        if step % run.eval_every == 0 or step == run.steps or spent:
+            train_loss = cluster.total(loss).item() if train_loss is None else train_loss
+            with stopwatch.paused():
+                last_eval = _evaluate(
+                    model, raw, validation, val_tokens_per_byte, tokenizer, autocast, run,
+                    model_config, cluster,
+                )  # fmt: skip
             metrics.write(
                 "eval", step=step, loss=train_loss, val_loss=last_eval[0],
                 val_bits_per_byte=last_eval[1], sample=last_eval[2],
+                train_seconds=stopwatch.elapsed,
             )  # fmt: skip
             if cluster.is_main:
                 bar.write(
@@ -208,8 +235,8 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
                 )
                 plot(folder)
             began, tokens_seen = time.perf_counter(), 0  # evaluation is not training time
-        if signalled:
-            if step < run.steps:  # a signal during the last step ends nothing early
+        if signalled or spent:
+            if not spent and step != run.steps:  # a signal in the last step ends nothing early
                 stopped_by = stop["signal"] or "a signal on another rank"
             break
     bar.close()
@@ -232,7 +259,7 @@ def _store_config(folder: Path, model_config: ModelConfig, run: RunConfig) -> No
 def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> None:
     """Raise ValueError (on every rank alike) for a run these processes cannot do."""
     if (
-        model_config.attention == "tiled"
+        "kernel" in implementation(model_config.attention).tuning
         and model_config.kernel == "triton"
         and cluster.device.type != "cuda"
     ):
@@ -403,11 +430,14 @@ def _check_overwritable(folder: Path) -> None:
         )
 
 
-def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster) -> int:
+def _restore(
+    folder, model_config, raw, optimizer, scheduler, scaler, batches, cluster, stopwatch
+) -> int:
     """Load the latest checkpoint into everything; the step it was taken after."""
     state = checkpoint.load(checkpoint.latest(folder), model_config)
     distributed.load_full_state(raw, optimizer, state["model"], state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    stopwatch.resume_from(state.get("train_seconds", 0.0))  # before the rate is set from it
     # The checkpoint holds the next step's rate under the schedule it was taken with; a resumed
     # run may go on for another number of steps, whose schedule says otherwise.
     for group, base, factor in zip(
@@ -424,8 +454,12 @@ def _restore(folder, model_config, raw, optimizer, scheduler, scaler, batches, c
     return state["step"]
 
 
-def _save(folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster):
-    """Write the checkpoint of ``step`` from rank 0 (gathering shards and RNG states first)."""
+def _save(
+    folder, step, raw, optimizer, scheduler, scaler, batches, model_config, run, cluster,
+    train_seconds,
+):  # fmt: skip
+    """Write the checkpoint of ``step`` from rank 0 (gathering shards and RNG states first),
+    with the ``train_seconds`` spent to reach it."""
     model_state, optimizer_state = distributed.full_state(raw, optimizer)
     cuda = cluster.device.type == "cuda"
     rng = cluster.gather(
@@ -441,7 +475,7 @@ def _save(folder, step, raw, optimizer, scheduler, scaler, batches, model_config
                 "model_config": asdict(model_config), "run": asdict(run), "world": cluster.world,
                 "model": model_state, "optimizer": optimizer_state,
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                "data": batches.state_dict(), "rng": rng,
+                "data": batches.state_dict(), "rng": rng, "train_seconds": train_seconds,
             },
             keep=run.keep,
         )  # fmt: skip
@@ -575,7 +609,8 @@ def _announce(
         f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
         f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, {run.dtype}; "
         f"batch {run.batch} x {run.length} tokens{', packed' if run.pack else ''}, "
-        f"steps {start + 1}..{run.steps}"
+        f"steps {start + 1}..{run.steps or ''}"
+        + (f", time budget {run.time_budget}" if run.time_budget else "")
     )
 
 

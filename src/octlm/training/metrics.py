@@ -8,10 +8,12 @@ Lines are of two kinds:
 - ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
   whole global batch, in nats per token), ``bits_per_byte`` (the same loss over the bytes its
   targets stand for), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
-  ``memory_metric`` and ``peak_bytes``;
+  ``train_seconds`` (training time so far, over every launch, evaluations excluded: what a
+  time budget spends), ``memory_metric`` and ``peak_bytes``;
 - ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss`` (nats per
   token), ``val_bits_per_byte`` (the summed token losses over the bytes they stand for, so
-  runs of any tokenizer compare) and ``sample`` (text generated from the fixed prompt).
+  runs of any tokenizer compare), ``sample`` (text generated from the fixed prompt) and
+  ``train_seconds``.
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ def _model_case(plan: Plan, config: ModelConfig, length: int) -> Case:
 
 
 def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
-    """The whole model, identical weights, through sdpa and tiled vs naive: logits and every
-    parameter's gradient of the cross-entropy, at each number of KV heads (``max_abs_diff``: the
-    logits' largest difference from naive's). Gradients are judged parameter by parameter; the
-    record names the worst one."""
+    """The whole model, identical weights, through sdpa, tiled and auto vs naive: logits and
+    every parameter's gradient of the cross-entropy, at each number of KV heads
+    (``max_abs_diff``: the logits' largest difference from naive's). Gradients are judged
+    parameter by parameter; the record names the worst one."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(256, (plan.model_batch, plan.model_length + 1), generator=generator)
     inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -64,7 +64,9 @@ def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) ->
         )
         for dtype in dtypes:
             base = _logits_and_grads(_model(config, "naive", state, device, dtype), inputs, targets)
-            for name in ("sdpa", "tiled"):
+            for name in SINGLE_PROCESS:
+                if name == "naive":
+                    continue  # the base
                 model = _model(config, name, state, device, dtype)
                 logits, grads = _logits_and_grads(model, inputs, targets)
                 verdict = judge(logits, base[0], reference[0])
