@@ -24,13 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from octlm import load_run
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint, config, data, loop, train
 from octlm.training.config import RunConfig, resolve
 from octlm.training.metrics import METRICS, PICTURE
 from octlm.training.optim import lr_factor, make_optimizer
-from octlm.training.sample import generate_text, load_run
+from octlm.training.sample import generate_text
 
 TINY_MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
 TINY_RUN = dict(
@@ -721,7 +722,7 @@ def test_signal_writes_a_checkpoint_and_exits_cleanly(corpus, tmp_path, capsys, 
     sender.join()
     assert status == 128 + signal_number  # stopped early, as a shell reports a signal
     assert f"stopped by {signal_number.name}" in capsys.readouterr().out
-    _model, step = load_run(folder)
+    _model, _tokenizer, step = load_run(folder)
     assert 1 <= step < 1_000_000
     assert max(losses(folder)) == step
 
@@ -827,7 +828,7 @@ def test_a_triton_run_samples_on_a_cpu(corpus, tmp_path):
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
     stored["model"] |= {"attention": "tiled", "kernel": "triton"}  # as a GPU run writes it
     (tmp_path / "run" / "config.json").write_text(json.dumps(stored))
-    model, _ = load_run(tmp_path / "run")
+    model, _tokenizer, _step = load_run(tmp_path / "run")
     assert (model.config.attention, model.config.kernel) == ("tiled", "pytorch")
     assert generate_text(model, "def ", 4).startswith("def ")
 
@@ -835,7 +836,7 @@ def test_a_triton_run_samples_on_a_cpu(corpus, tmp_path):
 def test_sample_is_the_models_own_decoding(corpus, tmp_path):
     model_config, run = configs(corpus, steps=2)
     train(model_config, run, tmp_path / "run", progress=False)
-    model, step = load_run(tmp_path / "run")
+    model, _tokenizer, step = load_run(tmp_path / "run")
     assert step == 2
     state = torch.load(checkpoint.latest(tmp_path / "run"), weights_only=True)["model"]
     loaded = model.state_dict()
@@ -861,5 +862,5 @@ def test_cuda_mixed_precision_trains_and_records_allocator_peak(corpus, tmp_path
     curve = losses(tmp_path / "run")
     assert curve[12] < curve[1] and math.isfinite(outcome.val_loss)
     assert read_metrics(tmp_path / "run", "train_step")[-1]["memory_metric"] == "cuda_max_allocated"
-    model, _step = load_run(tmp_path / "run", "cuda")
+    model, _tokenizer, _step = load_run(tmp_path / "run", "cuda")
     assert next(model.parameters()).is_cuda

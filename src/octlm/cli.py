@@ -286,9 +286,10 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
     def run(args: argparse.Namespace) -> int:
-        from octlm.training import generate_text, load_run
+        from octlm import load_run
+        from octlm.training import generate_text
 
-        model, step = load_run(args.run_dir, args.device)
+        model, _tokenizer, step = load_run(args.run_dir, args.device)
         text = generate_text(
             model, args.prompt, args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, seed=args.seed,

@@ -7,11 +7,11 @@
 - :mod:`~octlm.training.checkpoint`: atomic checkpoints, checked on load
 - :mod:`~octlm.training.distributed`: DDP, FSDP2 and context parallelism under torchrun
 - :mod:`~octlm.training.metrics`: ``metrics.jsonl`` and the loss-curve picture
-- :mod:`~octlm.training.sample`: text from a run folder's latest checkpoint
+- :mod:`~octlm.training.sample`: text from a trained model (``octlm.load_run`` reads a run)
 """
 
 from octlm.training.config import PRESETS, RunConfig, resolve
 from octlm.training.loop import Outcome, train
-from octlm.training.sample import generate_text, load_run
+from octlm.training.sample import generate_text
 
-__all__ = ["PRESETS", "Outcome", "RunConfig", "generate_text", "load_run", "resolve", "train"]
+__all__ = ["PRESETS", "Outcome", "RunConfig", "generate_text", "resolve", "train"]
