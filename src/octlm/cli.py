@@ -304,6 +304,36 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
 # --- end of octlm train, octlm sample ---------------------------------------------------------
 
 
+def _export_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm export``: what to export and where."""
+    parser.description = (
+        "Write a run's model (its latest checkpoint, or --step's) or a model file saved with "
+        "OctLM.save as a transformers folder: config.json, generation_config.json, "
+        "model.safetensors and the tokenizer. AutoModelForCausalLM loads it as LlamaForCausalLM "
+        "(MistralForCausalLM for a model with a window), AutoTokenizer as the run's tokenizer; "
+        "octlm need not be installed there."
+    )
+    parser.add_argument("source", help="a run folder written by octlm train, or a model file")
+    parser.add_argument("out", help="the folder to write; must not exist or be empty")
+    parser.add_argument("--step", type=int, help="the run's checkpoint of this step")
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.export import Interrupted, export
+
+        try:
+            exported = export(args.source, args.out, step=args.step)
+        except Interrupted as interrupted:
+            print(f"octlm export: {interrupted}; nothing written to {args.out}", file=sys.stderr)
+            return 128 + interrupted.signum
+        step = "" if exported.step is None else f", checkpoint of step {exported.step}"
+        tokenizer = exported.tokenizer or "no tokenizer (the model file's vocabulary is not bytes)"
+        print(f"{exported.folder}: {exported.architecture}{step}, tokenizer {tokenizer}")
+        return 0
+
+    # A bad source, step or output folder; a full disk.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="octlm", description="Exact attention three ways, checked and measured."
@@ -314,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     _report_parser(commands.add_parser("report", help="tables and plots from records"))
     _train_parser(commands.add_parser("train", help="train a model -> a run folder"))
     _sample_parser(commands.add_parser("sample", help="text from a run folder's checkpoint"))
+    _export_parser(commands.add_parser("export", help="a run or model file -> transformers folder"))
     return parser
 
 

@@ -94,7 +94,7 @@ def write(folder: str | os.PathLike, config, state: dict[str, Tensor]) -> None:
     _write_json(folder / CONFIG, llama_config(config, dtype))
     # No token ends a sequence: a byte or BPE run has no end-of-text token.
     generation = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    _write_json(folder / GENERATION_CONFIG, generation | {"max_length": config.max_length})
+    _write_json(folder / GENERATION_CONFIG, generation)
     save_file(llama_tensors(config, state), folder / WEIGHTS, metadata={"format": "pt"})
 
 

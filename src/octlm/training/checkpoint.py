@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from octlm.model import INTERCHANGEABLE, ModelConfig, checksum
+from octlm.model import INTERCHANGEABLE, ModelConfig, checksum, saved_config
 
 FORMAT = "octlm-train-1"
 PATTERN = re.compile(r"checkpoint-(\d+)\.pt")
@@ -85,7 +85,9 @@ def load(path: str | os.PathLike, model_config: ModelConfig) -> dict:
             "checkpoint in the folder may still load"
         )
     expected = asdict(model_config)
-    stored = state["model_config"]
+    # Resolved like the config it is checked against: a field the checkpoint predates has its
+    # default, derived from the stored sizes where the default is derived (mlp_width).
+    stored = asdict(saved_config({"config": state["model_config"]}))
     differences = [
         f"{name} {stored.get(name)!r} (expected {value!r})"
         for name, value in expected.items()

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from octlm.model import ModelConfig, OctLM
 from octlm.parallel import context_parallel_loss
+from octlm.tokenizer import TOKENIZER_FILE
 from octlm.training import checkpoint, data, distributed
 from octlm.training.config import (
     CONFIG_FILE,
@@ -109,6 +110,8 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     }
     torch.manual_seed(run.seed)  # the same initial weights on every rank
     raw = OctLM(model_config).to(cluster.device)
+    if run.init_from is not None and not resume:  # fine-tuning: the folder's weights
+        raw.load_state_dict(OctLM.from_pretrained(run.init_from).state_dict())
     if run.checkpoint_activations:
         _recompute_blocks(raw)
     distributed.shard(raw, cluster)
@@ -270,9 +273,14 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
     config_path = folder / CONFIG_FILE
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"run folder {str(folder)!r} is a file, not a folder")
+    bpe = None
+    if run.init_from is not None and not resume:  # refused before the folder is touched
+        from octlm.integrations.tokenizer_files import bpe_file
+
+        bpe = bpe_file(run.init_from, model_config.vocab_size)
     if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
         shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
-        for name in (CONFIG_FILE, STORING, PREPARING):
+        for name in (CONFIG_FILE, STORING, PREPARING, TOKENIZER_FILE):
             (folder / name).unlink(missing_ok=True)
     if resume:
         if not config_path.is_file():
@@ -294,6 +302,8 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
     folder.mkdir(parents=True, exist_ok=True)
     if not resume:  # this folder is empty and ours: marked, so a failed start can be cleared
         (folder / PREPARING).touch()
+    if bpe is not None:  # the run keeps the tokenizer its weights were trained with
+        shutil.copyfile(bpe, folder / TOKENIZER_FILE)
     summary = data.read_summary(folder / DATA_FOLDER)
     if summary is None and resume:
         raise ValueError(
@@ -314,7 +324,8 @@ def _unfinished(folder: Path) -> bool:
     it was made (empty) and holding nothing but what that start writes."""
     if not (folder / PREPARING).is_file():
         return False
-    return not _foreign_entries(folder, {PREPARING, CONFIG_FILE, STORING, DATA_FOLDER})
+    own = {PREPARING, CONFIG_FILE, STORING, DATA_FOLDER, TOKENIZER_FILE}
+    return not _foreign_entries(folder, own)
 
 
 def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> list[str]:
@@ -335,7 +346,8 @@ def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> 
 
 
 # Everything a run writes in its folder, checkpoints aside.
-RUN_ENTRIES = {CONFIG_FILE, STORING, PREPARING, DATA_FOLDER, METRICS, f".{METRICS}.tmp", PICTURE}
+RUN_ENTRIES = {CONFIG_FILE, STORING, PREPARING, DATA_FOLDER, TOKENIZER_FILE}
+RUN_ENTRIES |= {METRICS, f".{METRICS}.tmp", PICTURE}
 
 
 def _check_overwritable(folder: Path) -> None:
