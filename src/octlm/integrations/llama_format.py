@@ -241,10 +241,10 @@ def octlm_state(config, tensors: dict[str, Tensor], where: str) -> dict[str, Ten
     for name, shape in expected.items():
         tensor = tensors[name]
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{where} {name} has shape {tuple(tensor.shape)}, expected {shape}")
+            raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, expected {shape}")
         if tensor.dtype != dtype or not tensor.is_floating_point():
             raise ValueError(
-                f"{where} {name} is {tensor.dtype}; octlm takes one floating dtype for every "
+                f"{where}: {name} is {tensor.dtype}; octlm takes one floating dtype for every "
                 f"tensor (the embedding's is {dtype})"
             )
     state = {ours: tensors[theirs] for ours, theirs in MODEL_WEIGHTS.items() if theirs in tensors}
