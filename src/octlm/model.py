@@ -49,8 +49,9 @@ class ModelConfig:
     applies to attention weights and residual branches while training; only naive and sdpa
     have attention dropout. ``tied_head`` computes logits through the embedding matrix (else
     the model has its own ``head``, as imported Llama models may); ``mlp_width`` defaults to
-    8/3 of ``width`` (the parameters of a 4x MLP) rounded up to 8; ``norm_eps`` is every
-    RMSNorm's epsilon.
+    8/3 of ``width`` (the parameters of a 4x MLP) rounded up to 8, resolved on construction
+    (so ``replace(config, width=w)`` keeps it unless given ``mlp_width=None`` too); ``norm_eps``
+    is every RMSNorm's epsilon.
     """
 
     vocab_size: int = 256
