@@ -1,35 +1,16 @@
 """octlm's model as a transformers Llama or Mistral folder, and back: config fields and weights.
 
 octlm's model is the Llama architecture (pre-norm RMSNorm, rotate-half RoPE, grouped-query
-attention, SwiGLU, no biases), so the two map one to one:
-
-==============================================  =============================================
-octlm (``ModelConfig`` field, state-dict name)  transformers (``config.json`` key, tensor name)
-==============================================  =============================================
-``vocab_size``, ``width``, ``mlp_width``        ``vocab_size``, ``hidden_size``,
-                                                ``intermediate_size``
-``n_layers``, ``n_heads``, ``n_kv_heads``       ``num_hidden_layers``, ``num_attention_heads``,
-                                                ``num_key_value_heads`` (``head_dim`` =
-                                                ``width // n_heads``)
-``max_length``, ``rope_base``                   ``max_position_embeddings``,
-                                                ``rope_parameters.rope_theta``
-``norm_eps``, ``tied_head``                     ``rms_norm_eps``, ``tie_word_embeddings``
-``window`` (0: none)                            Mistral's ``sliding_window`` (Llama: none)
-``embedding.weight``                            ``model.embed_tokens.weight``
-``blocks.N.attention_norm.weight``              ``model.layers.N.input_layernorm.weight``
-``blocks.N.attention.qkv.weight`` rows          ``model.layers.N.self_attn.{q,k,v}_proj.weight``
-``blocks.N.attention.output.weight``            ``model.layers.N.self_attn.o_proj.weight``
-``blocks.N.mlp_norm.weight``                    ``model.layers.N.post_attention_layernorm.weight``
-``blocks.N.mlp.{gate,up,down}.weight``          ``model.layers.N.mlp.{gate,up,down}_proj.weight``
-``norm.weight``, ``head.weight`` (untied)       ``model.norm.weight``, ``lm_head.weight``
-==============================================  =============================================
+attention, SwiGLU, no biases), so the two map one to one; docs/transformers.md has the table.
+``SIZES``, ``LAYER_WEIGHTS``, ``PROJECTIONS`` and ``MODEL_WEIGHTS`` below are the mapping.
 
 The fused ``qkv`` projection holds the query rows, then the key rows, then the value rows, each
 head's ``D`` rows in the rotate-half layout transformers uses (the pair ``(i, i + D/2)`` turns
 together), so the split needs no permutation. A window ``w`` lets a query see itself and the
-``w - 1`` keys before it, which is what transformers' ``sliding_window=w`` means.
+``w - 1`` keys before it, which is what Mistral's ``sliding_window=w`` means; a model with a
+window is written as Mistral, one without as Llama.
 
-Reading refuses, naming the field or tensor, whatever octlm cannot compute exactly: another
+Reading refuses, naming the key or tensor, whatever octlm cannot compute exactly: another
 model type, biases, another activation, a head size other than ``hidden_size //
 num_attention_heads``, RoPE scaling or partial rotation, missing, extra or misshapen tensors.
 This module imports no other octlm module, so the model can delegate to it without a cycle.
@@ -186,7 +167,8 @@ def read_config(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{where} lacks {', '.join(missing)}")
     values = {name: config[key] for key, name in SIZES.items()}
     heads = config["num_attention_heads"]
-    values["n_kv_heads"] = config.get("num_key_value_heads") or heads
+    kv_heads = config.get("num_key_value_heads")
+    values["n_kv_heads"] = heads if kv_heads is None else kv_heads
     width = config["hidden_size"]
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * heads != width:
