@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from octlm import load_run
 from octlm.cli import main
 from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import data, train
 from octlm.training.config import resolve
-from octlm.training.sample import generate_text, load_run
+from octlm.training.sample import generate_text
 
 WORDS = ["def", " return", " self", "(x)", ":", "\n    ", " héllo", " wörld", " 中文", " = 1"]
 VOCAB = 300
@@ -116,7 +117,7 @@ def test_bits_per_byte_are_token_losses_over_the_bytes_they_cover(corpus, tmp_pa
     model_config, run = configs(corpus, {"vocab_size": vocab}, tokenizer=tokenizer, eval_every=4)
     folder = tmp_path / "run"
     train(model_config, run, folder, progress=False)
-    model, step = load_run(folder)
+    model, _tokenizer, step = load_run(folder)
     model = model.double()
     tokens = data.load_tokens(folder / "data", "val", run.length)
     vocabulary = load_tokenizer(folder)
@@ -150,7 +151,7 @@ def test_sample_encodes_and_decodes_with_the_run_s_tokenizer(bpe_run, capsys):
     assert main(["sample", str(bpe_run), "--prompt", " héllo", "--max-new-tokens", "6",
                  "--temperature", "0"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
-    model, _step = load_run(bpe_run)
+    model, _tokenizer, _step = load_run(bpe_run)
     tokenizer = load_tokenizer(bpe_run)
     prompt = tokenizer.encode(" héllo".encode())
     assert len(prompt) == 1  # " héllo" is one token of the corpus's BPE

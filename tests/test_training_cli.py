@@ -12,10 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from octlm import load_run
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint, train
-from octlm.training.sample import generate_text, load_run
+from octlm.training.sample import generate_text
 from tests.training_helpers import configs, losses, tiny_flags
 
 
@@ -50,7 +51,7 @@ def test_a_triton_run_samples_on_a_cpu(corpus, tmp_path):
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
     stored["model"] |= {"attention": "tiled", "kernel": "triton"}  # as a GPU run writes it
     (tmp_path / "run" / "config.json").write_text(json.dumps(stored))
-    model, _ = load_run(tmp_path / "run")
+    model, _tokenizer, _step = load_run(tmp_path / "run")
     assert (model.config.attention, model.config.kernel) == ("tiled", "pytorch")
     assert generate_text(model, "def ", 4).startswith("def ")
 
@@ -58,7 +59,7 @@ def test_a_triton_run_samples_on_a_cpu(corpus, tmp_path):
 def test_sample_is_the_models_own_decoding(corpus, tmp_path):
     model_config, run = configs(corpus, steps=2)
     train(model_config, run, tmp_path / "run", progress=False)
-    model, step = load_run(tmp_path / "run")
+    model, _tokenizer, step = load_run(tmp_path / "run")
     assert step == 2
     state = torch.load(checkpoint.latest(tmp_path / "run"), weights_only=True)["model"]
     loaded = model.state_dict()

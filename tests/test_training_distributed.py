@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from octlm.training import load_run, resolve, train
+from octlm import load_run
+from octlm.training import resolve, train
 from tests.helpers import join_gloo, spawn
 from tests.training_helpers import TINY_MODEL, TINY_RUN, losses, write_corpus
 
@@ -80,7 +81,7 @@ def test_two_ranks_give_the_single_process_loss_curve(runs, tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_of_every_mode_loads_in_one_process(runs, mode):
-    model, step = load_run(runs / mode)
+    model, _tokenizer, step = load_run(runs / mode)
     assert step == 4
     assert model.config.attention != "ring"  # ring attention's one-process twin
     logits = model(torch.zeros(1, 8, dtype=torch.int64))  # (1, 8, V)

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from octlm import load_run
 from octlm.training import checkpoint, train
 from octlm.training.config import resolve
 from octlm.training.metrics import PICTURE
-from octlm.training.sample import load_run
 from tests.training_helpers import configs, losses, read_metrics, write_short_documents
 
 
@@ -87,5 +87,5 @@ def test_cuda_mixed_precision_trains_and_records_allocator_peak(corpus, tmp_path
     curve = losses(tmp_path / "run")
     assert curve[12] < curve[1] and math.isfinite(outcome.val_loss)
     assert read_metrics(tmp_path / "run", "train_step")[-1]["memory_metric"] == "cuda_max_allocated"
-    model, _step = load_run(tmp_path / "run", "cuda")
+    model, _tokenizer, _step = load_run(tmp_path / "run", "cuda")
     assert next(model.parameters()).is_cuda

@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from octlm import load_run
 from octlm.training import checkpoint, config, loop, train
 from octlm.training.config import resolve
 from octlm.training.metrics import METRICS
 from octlm.training.optim import lr_factor
-from octlm.training.sample import load_run
 from tests.training_helpers import (
     configs,
     file_hashes,

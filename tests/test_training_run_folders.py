@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
+from octlm import load_run
 from octlm.training import checkpoint, config, data, train
-from octlm.training.sample import load_run
 from tests.training_helpers import configs, file_hashes, write_corpus
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from octlm import load_run
 from octlm.cli import main
 from octlm.training import checkpoint, config, loop, train
 from octlm.training.metrics import METRICS
-from octlm.training.sample import load_run
 from tests.training_helpers import configs, losses, tiny_flags
 
 
@@ -38,7 +38,7 @@ def test_signal_writes_a_checkpoint_and_exits_cleanly(corpus, tmp_path, capsys, 
     sender.join()
     assert status == 128 + signal_number  # stopped early, as a shell reports a signal
     assert f"stopped by {signal_number.name}" in capsys.readouterr().out
-    _model, step = load_run(folder)
+    _model, _tokenizer, step = load_run(folder)
     assert 1 <= step < 1_000_000
     assert max(losses(folder)) == step
 

@@ -304,13 +304,13 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
     def run(args: argparse.Namespace) -> int:
-        from octlm.tokenizer import load_tokenizer
-        from octlm.training import generate_text, load_run
+        from octlm import load_run
+        from octlm.training import generate_text
 
-        model, step = load_run(args.run_dir, args.device)
+        model, tokenizer, step = load_run(args.run_dir, args.device)
         text = generate_text(
             model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed, tokenizer=load_tokenizer(args.run_dir),
+            top_k=args.top_k, seed=args.seed, tokenizer=tokenizer,
         )  # fmt: skip
         print(f"# {args.run_dir}, checkpoint of step {step}", file=sys.stderr)
         print(text)
@@ -320,6 +320,36 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
 
 
 # --- end of octlm train, octlm sample ---------------------------------------------------------
+
+
+def _export_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm export``: what to export and where."""
+    parser.description = (
+        "Write a run's model (its latest checkpoint, or --step's) or a model file saved with "
+        "OctLM.save as a transformers folder: config.json, generation_config.json, "
+        "model.safetensors and the tokenizer. AutoModelForCausalLM loads it as LlamaForCausalLM "
+        "(MistralForCausalLM for a model with a window), AutoTokenizer as the run's tokenizer; "
+        "octlm need not be installed there."
+    )
+    parser.add_argument("source", help="a run folder written by octlm train, or a model file")
+    parser.add_argument("out", help="the folder to write; must not exist or be empty")
+    parser.add_argument("--step", type=int, help="the run's checkpoint of this step")
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.export import Interrupted, export
+
+        try:
+            exported = export(args.source, args.out, step=args.step)
+        except Interrupted as interrupted:
+            print(f"octlm export: {interrupted}; nothing written to {args.out}", file=sys.stderr)
+            return 128 + interrupted.signum
+        step = "" if exported.step is None else f", checkpoint of step {exported.step}"
+        tokenizer = exported.tokenizer or "no tokenizer (the model file's vocabulary is not bytes)"
+        print(f"{exported.folder}: {exported.architecture}{step}, tokenizer {tokenizer}")
+        return 0
+
+    # A bad source, step or output folder; a full disk.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     _report_parser(commands.add_parser("report", help="tables and plots from records"))
     _train_parser(commands.add_parser("train", help="train a model -> a run folder"))
     _sample_parser(commands.add_parser("sample", help="text from a run folder's checkpoint"))
+    _export_parser(commands.add_parser("export", help="a run or model file -> transformers folder"))
     return parser
 
 

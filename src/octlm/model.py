@@ -48,7 +48,11 @@ class ModelConfig:
     keeps CUDA tensors off the Triton kernel.
     ``window > 0`` lets each position see itself and the ``window - 1`` before it. ``dropout``
     applies to attention weights and residual branches while training; only naive, sdpa
-    and auto (through sdpa) have attention dropout.
+    and auto (through sdpa) have attention dropout. ``tied_head`` computes logits through the
+    embedding matrix (else the model has its own ``head``, as imported Llama models may);
+    ``mlp_width`` defaults to 8/3 of ``width`` (the parameters of a 4x MLP) rounded up to 8,
+    resolved on construction (so ``replace(config, width=w)`` keeps it unless given
+    ``mlp_width=None`` too); ``norm_eps`` is every RMSNorm's epsilon.
     """
 
     vocab_size: int = 256
@@ -63,6 +67,9 @@ class ModelConfig:
     window: int = 0
     dropout: float = 0.0
     rope_base: float = 10000.0
+    tied_head: bool = True
+    mlp_width: int | None = None
+    norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -71,6 +78,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.mlp_width is None:  # resolved, so that a config equals its explicit twin
+            self.mlp_width = 8 * -(-self.width // 3)
+        if not is_int_at_least(self.mlp_width, 1):
+            raise ValueError(f"mlp_width must be a positive int or None, got {self.mlp_width!r}")
         if self.width % self.n_heads:
             raise ValueError(f"width ({self.width}) must be a multiple of n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -98,15 +109,15 @@ class ModelConfig:
             )
         if not isinstance(self.rope_base, int | float) or not self.rope_base > 0:
             raise ValueError(f"rope_base must be a positive number, got {self.rope_base!r}")
+        if not isinstance(self.tied_head, bool):
+            raise ValueError(f"tied_head must be true or false, got {self.tied_head!r}")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+            raise ValueError(f"norm_eps must be a positive finite number, got {eps!r}")
 
     @property
     def head_size(self) -> int:
         return self.width // self.n_heads
-
-    @property
-    def mlp_width(self) -> int:
-        """SwiGLU hidden width: 8/3 of ``width`` (same parameters as a 4x MLP), rounded up to 8."""
-        return 8 * -(-self.width // 3)
 
 
 def differing_fields(first: ModelConfig, second: ModelConfig) -> list[str]:
@@ -315,9 +326,9 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.attention_norm = nn.RMSNorm(config.width, eps=config.norm_eps)
         self.attention = Attention(config, layer)
-        self.mlp_norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.mlp_norm = nn.RMSNorm(config.width, eps=config.norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, *context) -> Tensor:
@@ -332,7 +343,7 @@ class OctLM(nn.Module):
 
     The LM head is the token embedding matrix (tied, as in GPT-2): fewer parameters, and at
     this size tying trains no worse. Logits are ``x @ embedding.T``, so the state dict holds
-    the matrix once.
+    the matrix once. With ``tied_head=False`` they go through a matrix of their own, ``head``.
     """
 
     def __init__(self, config: ModelConfig):
@@ -341,7 +352,9 @@ class OctLM(nn.Module):
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.width)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.norm = nn.RMSNorm(config.width, eps=config.norm_eps)
+        if not config.tied_head:
+            self.head = nn.Linear(config.width, config.vocab_size, bias=False)
         cos, sin = rope_tables(config)
         self.register_buffer("cos", cos, persistent=False)  # (max_length, D)
         self.register_buffer("sin", sin, persistent=False)  # (max_length, D)
@@ -390,6 +403,31 @@ class OctLM(nn.Module):
         model.load_state_dict(state)
         return model
 
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, **changes) -> OctLM:
+        """The model of a local transformers folder of the Llama family (``LlamaForCausalLM``,
+        ``MistralForCausalLM``), in the dtype of its weights.
+
+        ``changes`` may set how it runs (``attention``, ``block``, ``kernel``, ``dropout``).
+        What octlm cannot compute exactly (biases, another activation or head size, RoPE
+        scaling) is a ``ValueError`` naming the field; docs/transformers.md says what maps to
+        what.
+        """
+        from octlm.integrations import llama_format  # safetensors, only when it is needed
+
+        unknown = sorted(set(changes) - INTERCHANGEABLE)
+        if unknown:
+            raise TypeError(
+                f"OctLM.from_pretrained takes the model's config from the folder and may change "
+                f"only {sorted(INTERCHANGEABLE)}, got {unknown}"
+            )
+        config = ModelConfig(**llama_format.read_config(folder), **changes)
+        state = llama_format.read_weights(folder, config)
+        model = cls(config)
+        model.to(state["embedding.weight"].dtype)
+        model.load_state_dict({**state, "_extra_state": model.get_extra_state()})
+        return model
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
@@ -431,7 +469,8 @@ class OctLM(nn.Module):
             x = block(x, rope, cache, document_ids)  # (B, T, C)
         if cache is not None:
             cache.advance(tokens.shape[1])
-        return F.linear(self.norm(x), self.embedding.weight)  # (B, T, V)
+        head = self.embedding if self.config.tied_head else self.head
+        return F.linear(self.norm(x), head.weight)  # (B, T, V)
 
     def _check_documents(
         self,

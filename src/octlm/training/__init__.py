@@ -7,17 +7,17 @@
 - :mod:`~octlm.training.checkpoint`: atomic checkpoints, checked on load
 - :mod:`~octlm.training.distributed`: DDP, FSDP2 and context parallelism under torchrun
 - :mod:`~octlm.training.metrics`: ``metrics.jsonl`` and the loss-curve picture
-- :mod:`~octlm.training.sample`: text from a run folder's latest checkpoint
+- :mod:`~octlm.training.sample`: text from a trained model (``octlm.load_run`` reads a run)
 """
 
 import importlib
 
 from octlm.training.config import PRESETS, RunConfig, resolve
 
-__all__ = ["PRESETS", "Outcome", "RunConfig", "generate_text", "load_run", "resolve", "train"]
+__all__ = ["PRESETS", "Outcome", "RunConfig", "generate_text", "resolve", "train"]
 # Names whose modules import torch's distributed checkpointing and FSDP, loaded on first use so
 # that reading the configuration (``octlm train --help``) does not pay for them.
-_LAZY = {"Outcome": "loop", "train": "loop", "generate_text": "sample", "load_run": "sample"}
+_LAZY = {"Outcome": "loop", "train": "loop", "generate_text": "sample"}
 
 
 def __getattr__(name: str):

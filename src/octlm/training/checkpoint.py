@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from octlm.files import checksum
-from octlm.model import INTERCHANGEABLE, ModelConfig
+from octlm.model import INTERCHANGEABLE, ModelConfig, saved_config
 
 FORMAT = "octlm-train-1"
 PATTERN = re.compile(r"checkpoint-(\d+)\.pt")
@@ -86,7 +86,9 @@ def load(path: str | os.PathLike, model_config: ModelConfig) -> dict:
             "checkpoint in the folder may still load"
         )
     expected = asdict(model_config)
-    stored = state["model_config"]
+    # Resolved like the config it is checked against: a field the checkpoint predates has its
+    # default, derived from the stored sizes where the default is derived (mlp_width).
+    stored = asdict(saved_config({"config": state["model_config"]}))
     differences = [
         f"{name} {stored.get(name)!r} (expected {value!r})"
         for name, value in expected.items()

@@ -103,6 +103,12 @@ class RunConfig:
     sample_tokens: int = _option(96, "tokens sampled at each evaluation")
     fsdp: bool = _switch("shard parameters with FSDP2 (under torchrun)")
     context_parallel: bool = _switch("split each sequence across ranks with ring attention")
+    init_from: str | None = _option(
+        None,
+        "a transformers folder (Llama, Mistral) whose config, weights and tokenizer start the "
+        "run (fine-tuning); the model flags may set only how it runs (--attention, --block, "
+        "--kernel, --dropout)",
+    )
 
     def __post_init__(self) -> None:
         if self.steps is None and self.time_budget is None:
@@ -238,12 +244,15 @@ def resolve(
     model_fields = {f.name for f in fields(ModelConfig)}
     run_fields = {f.name for f in fields(RunConfig)}
     content = read_file(file) if file is not None else {}
-    model_values = dict(PRESETS[preset or DEFAULT_PRESET])
-    model_values |= _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
-    model_values |= model or {}
+    given = _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
+    given = given | (model or {})
+    model_values = dict(PRESETS[preset or DEFAULT_PRESET]) | given
     run_values = _checked_keys(content.get("run", {}), run_fields, f"config {file} [run]")
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
+    if run_config.init_from is not None and resume is None:
+        model_values = _imported_model(run_config.init_from, preset, given)
+        run_config = _imported_tokenizer(run_config, model_values["vocab_size"], run_values)
     model_values.setdefault("max_length", run_config.length)
     if run_config.tokenizer == "bpe":
         model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
@@ -254,6 +263,44 @@ def resolve(
         check_resumable(content, model_config, run_config)
     check_compatible(model_config, run_config)
     return model_config, run_config
+
+
+def _imported_model(folder: str, preset: str | None, given: dict) -> dict:
+    """The model values of a run that starts from the transformers folder ``folder``: the
+    folder's config, run as ``given`` says (the runtime fields: attention, block, kernel,
+    dropout); ValueError for a preset, or a given value the folder's config departs from."""
+    from octlm.integrations.llama_format import read_config  # safetensors, only for this
+
+    if preset is not None:
+        raise ValueError("--init-from takes the model from the folder's config.json: drop --preset")
+    values = read_config(folder)
+    imported = asdict(model_from_dict(values))
+    runtime = {name: value for name, value in given.items() if name in INTERCHANGEABLE}
+    departing = [
+        f"{name}={value!r} (the folder's is {imported[name]!r})"
+        for name, value in given.items()
+        if name not in INTERCHANGEABLE and value != imported[name]
+    ]
+    if departing:
+        raise ValueError(
+            f"--init-from {folder!r} takes the model from the folder's config.json, which "
+            f"these values depart from: {'; '.join(departing)}"
+        )
+    return values | runtime
+
+
+def _imported_tokenizer(run: RunConfig, vocab_size: int, given: dict) -> RunConfig:
+    """The run as it starts from ``run.init_from``: with the folder's tokenizer (bytes, or the
+    byte-level BPE its weights were trained with); ValueError for another ``--tokenizer``."""
+    from octlm.integrations.tokenizer_files import bpe_file
+
+    name = "bytes" if bpe_file(run.init_from, vocab_size) is None else "bpe"
+    if given.get("tokenizer", name) != name:
+        raise ValueError(
+            f"--init-from {run.init_from!r} brings its own tokenizer ({name}): drop "
+            f"--tokenizer {given['tokenizer']}"
+        )
+    return dataclasses.replace(run, tokenizer=name)
 
 
 def stored_model(folder: str | Path) -> ModelConfig:
@@ -321,7 +368,8 @@ def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
     A field ``stored`` lacks (the run is older than the field) had its default value.
     """
     resolved = json.loads(json.dumps(to_dict(model, run)))
-    defaults = json.loads(json.dumps(to_dict(ModelConfig(), RunConfig())))
+    # The stored model resolved: a field it predates gets the default its own sizes imply.
+    defaults = json.loads(json.dumps(to_dict(model_from_dict(stored["model"]), RunConfig())))
     differences = [
         f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")
@@ -357,7 +405,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     model_group = parser.add_argument_group("model (default: the preset's, else ModelConfig's)")
     for field in fields(ModelConfig):
-        extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
+        if field.type == "bool":
+            extras = {"action": argparse.BooleanOptionalAction}
+        else:
+            extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
         if field.name == "block":
             extras = {"type": int, "nargs": "+", "metavar": "B", "help": "B, or BLOCK_Q BLOCK_K"}
         if field.name == "attention":

@@ -123,6 +123,8 @@ def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop
     token_bytes = tokenizer.token_bytes  # (V,) bytes each token stands for
     torch.manual_seed(run.seed)  # the same initial weights on every rank
     raw = OctLM(model_config).to(cluster.device)
+    if run.init_from is not None and not resume:  # fine-tuning: the folder's weights
+        raw.load_state_dict(OctLM.from_pretrained(run.init_from).state_dict())
     if run.checkpoint_activations:
         _recompute_blocks(raw)
     distributed.shard(raw, cluster)
@@ -308,6 +310,11 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
     config_path = folder / CONFIG_FILE
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"run folder {str(folder)!r} is a file, not a folder")
+    bpe = None
+    if run.init_from is not None and not resume:  # refused before the folder is touched
+        from octlm.integrations.tokenizer_files import bpe_file
+
+        bpe = bpe_file(run.init_from, model_config.vocab_size)
     if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
         shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
         for name in (CONFIG_FILE, STORING, TOKENIZER_FILE, STORING_TOKENIZER, PREPARING):
@@ -332,6 +339,8 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
     folder.mkdir(parents=True, exist_ok=True)
     if not resume:  # this folder is empty and ours: marked, so a failed start can be cleared
         (folder / PREPARING).touch()
+    if bpe is not None:  # the run keeps the tokenizer its weights were trained with
+        shutil.copyfile(bpe, folder / TOKENIZER_FILE)
     summary = data.read_summary(folder / DATA_FOLDER)
     if summary is None and resume:
         raise ValueError(
@@ -344,13 +353,13 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
             (source, glob) if run.data is None else (run.data, run.glob or data.DEFAULT_GLOB)
         )
         glob = run.glob or glob
-        tokenizer = (
-            BPETokenizer.train(
-                data.training_texts(source, glob, run.val_share), model_config.vocab_size
-            )
-            if run.tokenizer == "bpe"
-            else ByteTokenizer()
-        )
+        if bpe is not None:  # the imported tokenizer, not one trained on this corpus
+            tokenizer = BPETokenizer.from_file(folder / TOKENIZER_FILE)
+        elif run.tokenizer == "bpe":
+            texts = data.training_texts(source, glob, run.val_share)
+            tokenizer = BPETokenizer.train(texts, model_config.vocab_size)
+        else:
+            tokenizer = ByteTokenizer()
         summary = data.write_tokens(source, glob, run.val_share, folder / DATA_FOLDER, tokenizer)
         tokenizer.save(folder)
     _check_tokenizer(folder, summary, model_config, run)

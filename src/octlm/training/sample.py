@@ -1,18 +1,14 @@
-"""Text from a trained model: the latest checkpoint of a run folder, decoded with the KV cache."""
+"""Text from a trained model, decoded with the KV cache (``octlm.load_run`` reads a run folder)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from octlm.model import ModelConfig, OctLM
 from octlm.tokenizer import BPETokenizer, ByteTokenizer
-from octlm.training import checkpoint
-from octlm.training.config import prompt_bytes, stored_model
-from octlm.training.distributed import local_device
+from octlm.training.config import prompt_bytes
 
 
 def single_process(config: ModelConfig) -> ModelConfig:
@@ -70,21 +66,3 @@ def generate_text(
     finally:
         model.train(was_training)
     return tokenizer.decode(tokens[0].tolist()).decode("utf-8", errors="replace")
-
-
-def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int]:
-    """The model of a run folder at its latest checkpoint, and that checkpoint's step. A run
-    trained with the Triton kernel runs its PyTorch twin off CUDA (the same function)."""
-    folder = Path(folder)
-    model_config = stored_model(folder)
-    path = checkpoint.latest(folder)
-    if path is None:
-        raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
-    state = checkpoint.load(path, model_config)
-    device = local_device(device)
-    config = single_process(model_config)
-    if device.type != "cuda" and config.kernel == "triton":  # a GPU run sampled on a CPU
-        config = replace(config, kernel="pytorch")  # the same function, in PyTorch
-    model = OctLM(config)
-    model.load_state_dict(state["model"])
-    return model.to(device), state["step"]
