@@ -389,24 +389,9 @@ class OctLM(nn.Module):
         Atomic: the file is written beside ``path`` under another name, fsynced and renamed,
         so a crash leaves the old file or the new one, never a torn one.
         """
-        path = Path(path)
         state = self.state_dict()
         contents = {"format": FILE_FORMAT, "sha256": checksum(state), "state_dict": state}
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(descriptor, "wb") as out:
-                torch.save(contents, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself survives a crash
-        finally:
-            os.close(directory)
+        save_atomically(contents, path)
 
     @classmethod
     def load(
@@ -607,6 +592,39 @@ class OctLM(nn.Module):
 
 
 FILE_FORMAT = "octlm.OctLM/1"
+
+
+def save_atomically(contents: object, path: str | os.PathLike) -> None:
+    """``torch.save(contents)`` to ``path`` so that a crash leaves the old file or the new one.
+
+    The file is written beside ``path`` as ``.NAME.XXXXXX.tmp``, fsynced and renamed over it,
+    and the rename is fsynced too. A write that fails (a full disk, say) removes the temporary
+    file and raises ``OSError`` naming ``path`` and the reason: torch's zip writer reports the
+    failed write as a ``RuntimeError`` of its own, with the ``OSError`` as its context.
+    """
+    path = Path(path)
+    descriptor, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+    )
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            torch.save(contents, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a crash
+        finally:
+            os.close(directory)
+    except BaseException as error:
+        Path(temporary).unlink(missing_ok=True)
+        cause = error if isinstance(error, Exception) else None  # an interrupt stays one
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"cannot write {str(path)!r}: {cause.strerror}") from error
 
 
 def document_positions(document_ids: Tensor) -> Tensor:
