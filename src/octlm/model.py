@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import tempfile
+import secrets
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -597,15 +597,15 @@ FILE_FORMAT = "octlm.OctLM/1"
 def save_atomically(contents: object, path: str | os.PathLike) -> None:
     """``torch.save(contents)`` to ``path`` so that a crash leaves the old file or the new one.
 
-    The file is written beside ``path`` as ``.NAME.XXXXXX.tmp``, fsynced and renamed over it,
-    and the rename is fsynced too. A write that fails (a full disk, say) removes the temporary
-    file and raises ``OSError`` naming ``path`` and the reason: torch's zip writer reports the
-    failed write as a ``RuntimeError`` of its own, with the ``OSError`` as its context.
+    The file is written beside ``path`` as ``.NAME.XXXXXXXX.tmp`` (with the permissions the
+    umask gives a new file), fsynced and renamed over it, and the rename is fsynced too. A
+    write that fails (a full disk, say) removes the temporary file and raises ``OSError``
+    naming ``path`` and the reason: torch's zip writer reports the failed write as a
+    ``RuntimeError`` of its own, with the ``OSError`` as its context.
     """
     path = Path(path)
-    descriptor, temporary = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
-    )
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(descriptor, "wb") as out:
             torch.save(contents, out)
