@@ -100,9 +100,14 @@ def test_cached_decoding_matches_full_forward(attention, window, chunks):
         pieces.append(model(chunk, cache=cache))
         # Allocated once, at the first call, and written in place after: with a window the
         # buffers hold only the window (a ring), without one every position up to max_length.
-        buffers = buffers or [buffer.data_ptr() for buffer in cache.keys + cache.values]
-        assert [buffer.data_ptr() for buffer in cache.keys + cache.values] == buffers
-        assert {key.shape[2] for key in cache.keys} == {window or config.max_length}
+        views = cache.keys + cache.values
+        buffers = buffers or [view.data_ptr() for view in views]
+        assert [view.data_ptr() for view in views] == buffers
+        slots = window or config.max_length
+        assert {view.untyped_storage().nbytes() for view in views} == {
+            2 * config.n_kv_heads * slots * config.head_size * 8
+        }  # float64
+        assert {view.shape[2] for view in views} == {min(cache.length, slots)}
     assert cache.length == tokens.shape[1]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-10)
 
@@ -576,7 +581,8 @@ def test_cache_capacity_bounds_the_buffers_and_is_refused_when_exceeded():
     model = OctLM(SMALL).eval()
     cache = KVCache(SMALL, capacity=10)
     model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
-    assert cache.keys[0].shape == (1, SMALL.n_heads, 10, SMALL.head_size)
+    assert cache.keys[0].shape == (1, SMALL.n_heads, 8, SMALL.head_size)
+    assert cache.keys[0].untyped_storage().nbytes() == SMALL.n_heads * 10 * SMALL.head_size * 4
     with pytest.raises(ValueError, match=r"8 cached \+ 3 new positions exceed .* capacity of 10"):
         model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
     assert cache.length == 8

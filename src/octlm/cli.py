@@ -282,7 +282,8 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
         stopped = getattr(signal.Signals, outcome.stopped_by, signal.SIGINT)
         return 128 + stopped
 
-    parser.set_defaults(run=run)
+    # ValueError: a bad option, data or run folder (one in use among them); OSError: a full disk.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
 
 
 def _sample_parser(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import torch
@@ -20,28 +20,42 @@ FILE_FORMAT = "octlm.OctLM/1"
 
 
 def write_model(path: str | os.PathLike, state: dict) -> None:
-    """Write ``state`` (a model's state dict) and its checksum to ``path``.
+    """Write ``state`` (a model's state dict) and its checksum to ``path``, atomically
+    (:func:`save_atomically`)."""
+    save_atomically({"format": FILE_FORMAT, "sha256": checksum(state), "state_dict": state}, path)
 
-    Atomic: the file is written beside ``path`` under another name, fsynced and renamed,
-    so a crash leaves the old file or the new one, never a torn one.
+
+def save_atomically(contents: object, path: str | os.PathLike) -> None:
+    """``torch.save(contents)`` to ``path`` so that a crash leaves the old file or the new one.
+
+    The file is written beside ``path`` as ``.NAME.XXXXXXXX.tmp`` (with the permissions the
+    umask gives a new file), fsynced and renamed over it, and the rename is fsynced too. A
+    write that fails (a full disk, say) removes the temporary file and raises ``OSError``
+    naming ``path`` and the reason: torch's zip writer reports the failed write as a
+    ``RuntimeError`` of its own, with the ``OSError`` as its context.
     """
     path = Path(path)
-    contents = {"format": FILE_FORMAT, "sha256": checksum(state), "state_dict": state}
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(descriptor, "wb") as out:
             torch.save(contents, out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
-    except BaseException:
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a crash
+        finally:
+            os.close(directory)
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a crash
-    finally:
-        os.close(directory)
+        cause = error if isinstance(error, Exception) else None  # an interrupt stays one
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"cannot write {str(path)!r}: {cause.strerror}") from error
 
 
 def read_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:

@@ -138,7 +138,9 @@ class KVCache:
     ``generate`` asks for the prompt plus the new tokens). Each layer holds a key and a value
     buffer ``(B, Hkv, S, D)`` with ``S = capacity``, or ``S = min(window, capacity)`` with a
     window: a ring in which position ``p`` lives in slot ``p % S``. ``length`` counts every
-    position seen, which is where the next token's RoPE position starts.
+    position seen, which is where the next token's RoPE position starts. ``keys[layer]`` and
+    ``values[layer]`` are views of the slots that hold positions, ``(B, Hkv, min(length, S),
+    D)``; the buffers' tail past them is uninitialised, so they stay private.
 
     The buffers are allocated at the first call, with that call's batch and the model's dtype
     and device. A call that differs in any of them, would pass ``capacity``, or comes from a
@@ -156,13 +158,23 @@ class KVCache:
         self.config = replace(config)  # a copy: the cache stays bound to what it was made for
         self.capacity = capacity
         self.size = capacity if config.window == 0 else min(config.window, capacity)
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
+        self._keys: list[Tensor] = []  # (B, Hkv, S, D) each
+        self._values: list[Tensor] = []
         self.batch: int | None = None
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         self.length = 0
         self.pending: list[tuple[int, Tensor, Tensor, Tensor]] = []  # ring writes not yet made
+
+    @property
+    def keys(self) -> list[Tensor]:
+        """Each layer's cached keys ``(B, Hkv, min(length, S), D)``, views in slot order."""
+        return [key[:, :, : min(self.length, self.size)] for key in self._keys]
+
+    @property
+    def values(self) -> list[Tensor]:
+        """Each layer's cached values, as :attr:`keys`."""
+        return [value[:, :, : min(self.length, self.size)] for value in self._values]
 
     def prepare(
         self, config: ModelConfig, tokens: Tensor, dtype: torch.dtype, device: torch.device
@@ -183,7 +195,7 @@ class KVCache:
                 f"{self.length} cached + {length} new positions exceed the cache's capacity "
                 f"of {self.capacity}"
             )
-        if self.keys:
+        if self._keys:
             if batch != self.batch:
                 raise ValueError(f"cache holds batch {self.batch} but tokens have batch {batch}")
             if (dtype, device) != (self.dtype, self.device):
@@ -193,8 +205,9 @@ class KVCache:
                 )
             return
         shape = (batch, config.n_kv_heads, self.size, config.head_size)  # (B, Hkv, S, D)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.values = [torch.empty_like(key) for key in self.keys]
+        layers = range(config.n_layers)
+        self._keys = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
+        self._values = [torch.empty_like(key) for key in self._keys]
         self.batch, self.dtype, self.device = batch, dtype, device
 
     def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -202,7 +215,7 @@ class KVCache:
         and values the chunk attends to, ``(B, Hkv, K, D)``, laid out so that the bottom-right
         causal and window rules over them hold."""
         past, length = self.length, key.shape[2]
-        keys, values = self.keys[layer], self.values[layer]
+        keys, values = self._keys[layer], self._values[layer]
         if past + length <= self.size:  # no slot reused yet: slot = position
             keys[:, :, past : past + length] = key
             values[:, :, past : past + length] = value
@@ -226,12 +239,13 @@ class KVCache:
         return key, value
 
     def advance(self, length: int) -> None:
-        """Close a call of ``length`` positions that ran through every layer: make its deferred
-        ring writes and count its positions. A call that fails part-way never gets here, so
-        the cache keeps what it held before (slots past ``length`` may hold its keys, unread)."""
+        """Close a call of ``length`` positions that has produced its logits: make its deferred
+        ring writes and count its positions. A call that fails before then never gets here, so
+        the cache keeps what it held before: its keys may lie in slots no later call reads
+        (past ``length``, or a full ring's slot of the position that left the window)."""
         for layer, slots, key, value in self.pending:
-            self.keys[layer].index_copy_(2, slots, key)
-            self.values[layer].index_copy_(2, slots, value)
+            self._keys[layer].index_copy_(2, slots, key)
+            self._values[layer].index_copy_(2, slots, value)
         self.pending.clear()
         self.length += length
 
@@ -467,10 +481,11 @@ class OctLM(nn.Module):
         x = self.embedding(tokens)  # (B, T, C)
         for block in self.blocks:
             x = block(x, rope, cache, document_ids)  # (B, T, C)
-        if cache is not None:
-            cache.advance(tokens.shape[1])
         head = self.embedding if self.config.tied_head else self.head
-        return F.linear(self.norm(x), head.weight)  # (B, T, V)
+        logits = F.linear(self.norm(x), head.weight)  # (B, T, V)
+        if cache is not None:  # only a call that produced its logits is counted
+            cache.advance(tokens.shape[1])
+        return logits
 
     def _check_documents(
         self,

@@ -44,6 +44,7 @@ class _TiledAttention(torch.autograd.Function):
         out, rows = _forward(query, key, value, tensors, rules)
         ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, *tensors)
         ctx.rules, ctx.units, ctx.careful = rules, rows.units, rows.careful
+        ctx.tiles = rows.rebased, rows.shift_column  # the tiles the backward forms as it did
         lse = rows.lse()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -68,7 +69,7 @@ class _TiledAttention(torch.autograd.Function):
             residue = shift.new_zeros(batch, kv_heads, q_len, group, dtype=torch.float64)
         if grad_alibi is not None:
             spread = torch.zeros_like(residue)
-        rows = RowStats(shift, total, ctx.units, ctx.careful)
+        rows = RowStats(shift, total, ctx.units, ctx.careful, *ctx.tiles)
         grad_query, grad_key, grad_value = attend_backward(
             query, key, value, grad_out, rows, delta, _rules_with(ctx.rules, *tensors),
             grad_mask=grad_mask, grad_alibi=grad_alibi, residue=residue, spread=spread,

@@ -79,7 +79,7 @@ def attention_alone(
     untimed call: its keys as the cache hands them out (``layout="cache"``, a view of the
     buffer) or copied into a contiguous tensor (``"contiguous"``)."""
     impl = implementation(name)
-    key, value = cache.keys[0][:, :, : cache.length], cache.values[0][:, :, : cache.length]
+    key, value = cache.keys[0], cache.values[0]  # (B, Hkv, K, D) each
     if layout == "contiguous":
         key, value = key.contiguous(), value.contiguous()  # (B, Hkv, K, D) each
     query = torch.randn(key.shape[0], config.n_heads, 1, config.head_size, dtype=key.dtype)

@@ -229,20 +229,20 @@ def resolve(
     """Defaults, then ``preset``, then ``file``, then the explicit ``model`` and ``run`` values.
 
     ``resume`` is the folder of a run to continue: its stored configuration is the file, and
-    only the flags given to resume it change it.
+    only the flags given to resume it change it. A ``preset`` or ``file`` given with it (the
+    command line that started the run, rerun) is accepted where it gives the run's own values;
+    a value of its own applies where a resume may change it and is refused elsewhere.
     """
-    if resume is not None:
-        if preset is not None or file is not None:
-            raise ValueError(
-                "--resume takes the run's own configuration: drop --preset and --config"
-            )
-        file = Path(resume) / CONFIG_FILE
-        if not file.is_file():
-            raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
     model_fields = {f.name for f in fields(ModelConfig)}
     run_fields = {f.name for f in fields(RunConfig)}
+    if resume is not None:
+        stored = Path(resume) / CONFIG_FILE
+        if not stored.is_file():
+            raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
+        model, run = _resumed_flags(read_file(stored), preset, file, model or {}, run or {})
+        preset, file = None, stored
     content = read_file(file) if file is not None else {}
     given = _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
     given = given | (model or {})
@@ -301,6 +301,44 @@ def _imported_tokenizer(run: RunConfig, vocab_size: int, given: dict) -> RunConf
             f"--tokenizer {given['tokenizer']}"
         )
     return dataclasses.replace(run, tokenizer=name)
+
+
+def _resumed_flags(stored: dict, preset, file, model: dict, run: dict) -> tuple[dict, dict]:
+    """The ``model`` and ``run`` values a resume applies over the run's ``stored`` configuration:
+    the flags, and what ``preset`` and ``file`` set that a resume may change. What they set
+    that it may not change must be the run's own value, or a ValueError names it."""
+    given = {}  # (table, field) -> (value, where it comes from)
+    if preset is not None:
+        given |= {
+            ("model", name): (value, f"--preset {preset}")
+            for name, value in PRESETS[preset].items()
+        }
+    if file is not None:
+        content = read_file(file)
+        for table, dataclass_ in (("model", ModelConfig), ("run", RunConfig)):
+            known = {f.name for f in fields(dataclass_)}
+            values = _checked_keys(content.get(table, {}), known, f"config {file} [{table}]")
+            given |= {(table, name): (value, f"--config {file}") for name, value in values.items()}
+    defaults = _as_json(to_dict(ModelConfig(), RunConfig()))
+    changes = {"model": {}, "run": {}}
+    for (table, name), (value, source) in given.items():
+        if name in (model if table == "model" else run):
+            continue  # the flag wins, as in a new run; check_resumable judges it
+        was = stored.get(table, {}).get(name, defaults[table][name])
+        if _as_json(value) == was:
+            continue
+        if name not in (INTERCHANGEABLE if table == "model" else RESUMABLE):
+            raise ValueError(
+                f"--resume: {source} sets {table}.{name} to {value!r}, and the run's "
+                f"{CONFIG_FILE} has {was!r}; a resumed run keeps it"
+            )
+        changes[table][name] = value
+    return changes["model"] | model, changes["run"] | run
+
+
+def _as_json(value):
+    """``value`` as JSON gives it back (tuples become lists), to compare with ``config.json``."""
+    return json.loads(json.dumps(value))
 
 
 def stored_model(folder: str | Path) -> ModelConfig:
@@ -367,9 +405,9 @@ def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
 
     A field ``stored`` lacks (the run is older than the field) had its default value.
     """
-    resolved = json.loads(json.dumps(to_dict(model, run)))
+    resolved = _as_json(to_dict(model, run))
     # The stored model resolved: a field it predates gets the default its own sizes imply.
-    defaults = json.loads(json.dumps(to_dict(model_from_dict(stored["model"]), RunConfig())))
+    defaults = _as_json(to_dict(model_from_dict(stored["model"]), RunConfig()))
     differences = [
         f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")

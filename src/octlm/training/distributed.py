@@ -97,10 +97,6 @@ class Cluster:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
 
 def setup(device: str | None, *, fsdp: bool, context_parallel: bool) -> Cluster:
     """Join torchrun's process group when there is one; pick the device and the mode.

@@ -40,7 +40,7 @@ from octlm.context_parallel import context_parallel_loss
 from octlm.model import ModelConfig, OctLM
 from octlm.tokenizer import STORING as STORING_TOKENIZER
 from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
-from octlm.training import checkpoint, data, distributed
+from octlm.training import checkpoint, data, distributed, lock
 from octlm.training.budget import Stopwatch
 from octlm.training.config import (
     CONFIG_FILE,
@@ -65,8 +65,9 @@ LN2 = math.log(2)
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM before the first step: nothing was trained. A new run's folder keeps
-    what its preparation wrote until the next start clears it; a resumed run is as it was."""
+    """SIGINT, SIGTERM or SIGHUP before the first step: nothing was trained. A new run's folder
+    keeps what its preparation wrote until the next start clears it; a resumed run is as it
+    was."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name} before the first step")
@@ -98,19 +99,36 @@ def train(
     """Train ``OctLM(model_config)`` as ``run`` says, keeping everything in the folder ``out``.
 
     A new run refuses a non-empty ``out`` unless ``overwrite``; ``resume`` continues from the
-    latest checkpoint there. Under torchrun every process calls this; rank 0 writes the files.
-    SIGINT and SIGTERM end the run after the current step, with a checkpoint; before the
-    first step they raise :class:`Interrupted`, and the next start clears what was prepared.
+    latest checkpoint there. One run at a time holds ``out`` (:mod:`octlm.training.lock`); a
+    second start or resume is refused before it reads or writes anything there. Under torchrun
+    every process calls this; rank 0 holds the folder and writes the files.
+    SIGINT, SIGTERM and SIGHUP end the run after the current step, with a checkpoint; before
+    the first step they raise :class:`Interrupted`, and the next start clears what was prepared.
     ``clock`` (seconds) measures the training time that ``run.time_budget`` spends.
     """
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
+    folder = Path(out)
     try:
-        with _stop_on_signals() as stop:
+        with _stop_on_signals() as stop, _holding(folder, cluster):
             return _train(
-                model_config, run, Path(out), cluster, resume, overwrite, progress, stop, clock
+                model_config, run, folder, cluster, resume, overwrite, progress, stop, clock
             )
     finally:
         distributed.teardown(cluster)
+
+
+@contextlib.contextmanager
+def _holding(folder: Path, cluster: Cluster):
+    """The run folder's lock, held by rank 0 for the run's life. Every rank waits until rank 0
+    holds it, and all raise its ValueError when it is refused."""
+    held = []
+    _on_main(cluster, lambda: held.append(lock.acquire(folder)))
+    try:
+        yield
+    finally:
+        ours = (folder / PREPARING).exists() or (folder / CONFIG_FILE).exists()
+        for folder_lock in held:  # rank 0's
+            folder_lock.release(keep=ours)
 
 
 def _train(model_config, run, folder, cluster, resume, overwrite, progress, stop, clock) -> Outcome:
@@ -287,16 +305,21 @@ def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> N
 
 
 def _on_main(cluster: Cluster, work):
-    """Run ``work`` on rank 0 and return its result on every rank; its ValueError too."""
+    """Run ``work`` on rank 0 and return its result on every rank; its ValueError or OSError
+    (a full disk) too, so no rank waits for one that has failed."""
     result = None
     if cluster.is_main:
         try:
             result = ("ok", work())
         except ValueError as error:
             result = ("error", str(error))
+        except OSError as error:
+            result = ("os", (error.errno, error.strerror, error.filename))
     result = cluster.share(result)
     if result[0] == "error":
         raise ValueError(result[1])
+    if result[0] == "os":
+        raise OSError(*result[1])
     return result[1]
 
 
@@ -308,8 +331,6 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
     start that did not get that far is cleared by the next one (:func:`_unfinished`).
     """
     config_path = folder / CONFIG_FILE
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"run folder {str(folder)!r} is a file, not a folder")
     bpe = None
     if run.init_from is not None and not resume:  # refused before the folder is touched
         from octlm.integrations.tokenizer_files import bpe_file
@@ -328,15 +349,18 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
                 f"--resume: {str(folder)!r} has no checkpoint to resume from (the run stopped "
                 "before its first one): start it again with --overwrite"
             )
-    elif folder.exists() and any(folder.iterdir()):
+    elif any(entry.name != lock.LOCK_FILE for entry in folder.iterdir()):
         if not overwrite:
             raise ValueError(
                 f"run folder {str(folder)!r} is not empty: pass --resume to continue its run "
                 "or --overwrite to start it again"
             )
         _check_overwritable(folder)
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+        for entry in folder.iterdir():  # all but the lock, which this run holds
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.name != lock.LOCK_FILE:
+                entry.unlink()
     if not resume:  # this folder is empty and ours: marked, so a failed start can be cleared
         (folder / PREPARING).touch()
     if bpe is not None:  # the run keeps the tokenizer its weights were trained with
@@ -393,6 +417,7 @@ def _unfinished(folder: Path) -> bool:
     if not (folder / PREPARING).is_file():
         return False
     own = {PREPARING, CONFIG_FILE, STORING, TOKENIZER_FILE, STORING_TOKENIZER, DATA_FOLDER}
+    own.add(lock.LOCK_FILE)
     return not _foreign_entries(folder, own)
 
 
@@ -416,6 +441,7 @@ def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> 
 # Everything a run writes in its folder, checkpoints aside.
 RUN_ENTRIES = {CONFIG_FILE, STORING, PREPARING, DATA_FOLDER, METRICS, f".{METRICS}.tmp", PICTURE}
 RUN_ENTRIES |= {TOKENIZER_FILE, STORING_TOKENIZER}
+RUN_ENTRIES.add(lock.LOCK_FILE)
 
 
 def _check_overwritable(folder: Path) -> None:
@@ -477,18 +503,16 @@ def _save(
             "cuda": torch.cuda.get_rng_state(cluster.device) if cuda else None,
         }
     )
-    if cluster.is_main:
-        checkpoint.save(
-            folder, step,
-            {
-                "model_config": asdict(model_config), "run": asdict(run), "world": cluster.world,
-                "model": model_state, "optimizer": optimizer_state,
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                "data": batches.state_dict(), "rng": rng, "train_seconds": train_seconds,
-            },
-            keep=run.keep,
-        )  # fmt: skip
-    cluster.barrier()
+    _on_main(cluster, lambda: checkpoint.save(
+        folder, step,
+        {
+            "model_config": asdict(model_config), "run": asdict(run), "world": cluster.world,
+            "model": model_state, "optimizer": optimizer_state,
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+            "data": batches.state_dict(), "rng": rng, "train_seconds": train_seconds,
+        },
+        keep=run.keep,
+    ))  # fmt: skip
 
 
 def _loss(model: nn.Module, micro: data.Batch, share: float, cluster: Cluster) -> Tensor:
@@ -625,9 +649,10 @@ def _announce(
 
 @contextlib.contextmanager
 def _stop_on_signals():
-    """``{"signal": name or None, "armed": bool}``. Once ``armed`` (training has begun), SIGINT
-    and SIGTERM set ``signal`` and the loop stops after its step; before, they raise
-    :class:`Interrupted`, so preparing the data stops at once (its half-written files go)."""
+    """``{"signal": name or None, "armed": bool}``. Once ``armed`` (training has begun), SIGINT,
+    SIGTERM and SIGHUP (a closed terminal or ssh session) set ``signal`` and the loop stops
+    after its step; before, they raise :class:`Interrupted`, so preparing the data stops at
+    once (its half-written files go)."""
     stop = {"signal": None, "armed": False}
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -638,7 +663,8 @@ def _stop_on_signals():
             raise Interrupted(signum)
         stop["signal"] = signal.Signals(signum).name
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, handler) for s in stopping}
     try:
         yield stop
     finally:
