@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from octlm.training import load_run, resolve, train
 from tests.helpers import join_gloo, spawn
-from tests.test_training import TINY_MODEL, TINY_RUN, losses, write_corpus
+from tests.training_helpers import TINY_MODEL, TINY_RUN, losses, write_corpus
 
 pytestmark = pytest.mark.distributed
 
