@@ -85,7 +85,7 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
         choices=[*SUITES, *PROGRAMS, *ALIASES],
         default="baseline",
         metavar="{" + ",".join([*SUITES, *PROGRAMS]) + "}",
-        help="named grid (default: baseline, SDPA MATH vs FLASH and the sketch on the "
+        help="named suite (default: baseline, SDPA MATH vs FLASH and the sketch on the "
         "reference grid)",
     )
     grid = parser.add_argument_group("grid (default: the suite's)")
