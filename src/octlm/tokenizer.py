@@ -1,6 +1,7 @@
-"""A run's tokenizer: its folder's ``tokenizer.json`` (a BPE), or bytes when it holds none.
+"""A run's tokenizer: bytes when its folder holds no ``tokenizer.json``.
 
-Byte tokens are the bytes themselves (vocabulary 256), so every byte of any file survives.
+Byte tokens are the bytes themselves (vocabulary 256), so every byte of any file survives. A
+folder with a ``tokenizer.json`` is a BPE run (the file is a standard ``tokenizers`` file).
 """
 
 from __future__ import annotations
