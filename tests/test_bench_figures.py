@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from octlm.bench import timing, worker
 from octlm.bench.suites import Grid
@@ -42,6 +41,10 @@ def test_each_call_is_timed_alone_between_fences_after_untimed_warmups(clock):
 
 
 def test_the_matmul_peak_is_the_counted_operations_over_the_median_time(clock):
+    # Imported here: torch's FLOP counter imports Triton, which must wait for test_triton.py
+    # to switch its CPU interpreter on.
+    from torch.utils.flop_counter import FlopCounterMode
+
     size = 64
     a, b = torch.ones(size, size), torch.ones(size, size)
     with FlopCounterMode(display=False) as counter:
@@ -64,6 +67,8 @@ def shapes(measurement):
 
 @pytest.mark.parametrize("mode", ["forward", "train"])
 def test_a_measurements_rate_counts_what_pytorch_counts_for_attention(mode, clock):
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
     """Full (non-causal) attention: SDPA's forward, and in training its backward too, as
     PyTorch's FLOP counter counts them; the record's tflops is that count over the time."""
     [m] = replace(

@@ -13,7 +13,7 @@ import torch
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint
-from tests.test_training import losses, tiny_flags, write_corpus
+from tests.training_helpers import losses, tiny_flags, write_corpus
 
 SAVE = torch.save
 

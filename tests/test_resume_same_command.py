@@ -9,7 +9,7 @@ import pytest
 
 from octlm.cli import main
 from octlm.training import checkpoint
-from tests.test_training import losses, tiny_flags, write_corpus
+from tests.training_helpers import losses, tiny_flags, write_corpus
 
 # Values no flag of the command gives, so that the resume compares them with the run's.
 CONFIG = """\

@@ -18,7 +18,14 @@ from octlm.cli import main
 from octlm.training import lock, resolve, train
 from octlm.training.metrics import METRICS
 from tests.helpers import join_gloo, spawn
-from tests.test_training import TINY_MODEL, TINY_RUN, losses, read_metrics, tiny_flags, write_corpus
+from tests.training_helpers import (
+    TINY_MODEL,
+    TINY_RUN,
+    losses,
+    read_metrics,
+    tiny_flags,
+    write_corpus,
+)
 
 SOURCE = str(Path(octlm.__file__).parents[1])  # the tested octlm, for the processes started here
 HOLD = (

@@ -7,10 +7,10 @@ import signal
 import subprocess
 import sys
 
+from octlm import load_run
 from octlm.training.metrics import METRICS
-from octlm.training.sample import load_run
 from tests.test_run_folder_lock import environment, wait_for
-from tests.test_training import losses, tiny_flags, write_corpus
+from tests.training_helpers import losses, tiny_flags, write_corpus
 
 
 def test_sighup_writes_a_checkpoint_and_exits_129(tmp_path):
@@ -27,6 +27,6 @@ def test_sighup_writes_a_checkpoint_and_exits_129(tmp_path):
         process.kill()
     assert process.returncode == 128 + signal.SIGHUP, err.decode()[-2000:]
     assert b"stopped by SIGHUP after step" in out
-    _model, step = load_run(folder)
+    _model, _tokenizer, step = load_run(folder)
     assert 1 <= step < 1_000_000
     assert max(losses(folder)) == step
