@@ -161,3 +161,37 @@ def join_gloo(rank: int, world: int, store: str) -> None:
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
+
+
+def trained_on_ranks(folder, corpus, plan: str, world: int, timeout: float):
+    """Train every mode of ``plan`` (a test module whose ``mode_configs(corpus)`` maps each
+    mode to a function giving its model and run configs) on ``world`` gloo ranks, one run
+    folder per mode under ``folder``; each rank's failures must be none. Returns ``folder``."""
+    import json
+
+    spawn(_train_each_mode, (plan, str(corpus), str(folder), world), world, timeout, plan)
+    for rank in range(world):
+        failures = json.loads((folder / f"rank{rank}.json").read_text())
+        assert not failures, f"rank {rank}: {failures}"
+    return folder
+
+
+def _train_each_mode(rank: int, plan: str, corpus: str, folder: str, world: int) -> None:
+    """One rank's work for :func:`trained_on_ranks`, recording each mode's failure."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from octlm.training import train
+
+    join_gloo(rank, world, f"{folder}/store")
+    failures = {}
+    for mode, config in importlib.import_module(plan).mode_configs(Path(corpus)).items():
+        try:
+            train(*config(), Path(folder, mode), progress=False)
+        except Exception as error:  # reported by the test, with the mode that failed
+            failures[mode] = f"{type(error).__name__}: {error}"
+    dist.destroy_process_group()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(failures))

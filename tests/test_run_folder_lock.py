@@ -60,6 +60,17 @@ def wait_for(predicate, what: str, process: subprocess.Popen, timeout: float = 1
         time.sleep(0.05)
 
 
+def training_past_its_first_step(corpus: Path, folder: Path, stdout=subprocess.DEVNULL):
+    """An ``octlm train`` process on ``folder`` that would run for a million steps, returned
+    once its first step is recorded."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "octlm", *tiny_flags(corpus, folder, steps=1_000_000)],
+        env=environment(), stdout=stdout, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    wait_for(lambda: (folder / METRICS).exists(), "the run's first step", process)
+    return process
+
+
 def test_a_held_folder_is_refused_untouched_and_a_killed_holder_leaves_no_lock(
     corpus, tmp_path, capsys
 ):
@@ -92,12 +103,8 @@ def test_two_octlm_train_on_one_folder_leave_the_first_run_whole(corpus, tmp_pat
     """The issue's case: a second ``octlm train`` on a folder that one is writing. The second
     is refused at once; the first trains on and stops cleanly, with one run in its records."""
     folder = tmp_path / "same"
-    first = subprocess.Popen(
-        [sys.executable, "-m", "octlm", *tiny_flags(corpus, folder, steps=1_000_000)],
-        env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    first = training_past_its_first_step(corpus, folder)
     try:
-        wait_for(lambda: (folder / METRICS).exists(), "the first run's first step", first)
         assert main(tiny_flags(corpus, folder, steps=2)) == 2
         assert f"is in use by process {first.pid}" in capsys.readouterr().err
         assert main([*tiny_flags(corpus, folder, steps=2), "--resume"]) == 2

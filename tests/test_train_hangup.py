@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 
 from octlm import load_run
-from octlm.training.metrics import METRICS
-from tests.test_run_folder_lock import environment, wait_for
-from tests.training_helpers import losses, tiny_flags, write_corpus
+from tests.test_run_folder_lock import training_past_its_first_step
+from tests.training_helpers import losses, write_corpus
 
 
 def test_sighup_writes_a_checkpoint_and_exits_129(tmp_path):
     corpus, folder = write_corpus(tmp_path / "corpus"), tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "octlm", *tiny_flags(corpus, folder, steps=1_000_000)],
-        env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    process = training_past_its_first_step(corpus, folder, stdout=subprocess.PIPE)
     try:
-        wait_for(lambda: (folder / METRICS).exists(), "the first step", process)
         process.send_signal(signal.SIGHUP)
         out, err = process.communicate(timeout=120)
     finally:

@@ -4,15 +4,14 @@ bits per byte as one process."""
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from octlm.training import resolve, train
-from tests.helpers import join_gloo, spawn
+from tests.helpers import trained_on_ranks
 from tests.test_training_bpe import MODEL, RUN, VOCAB, records, write_corpus
 
 pytestmark = pytest.mark.distributed
@@ -35,27 +34,16 @@ def _configs(corpus: Path, run: dict, model: dict):
     )
 
 
-def _worker(rank: int, corpus: str, folder: str) -> None:
-    join_gloo(rank, WORLD, f"{folder}/store")
-    failures = {}
-    for mode, (run, model) in MODES.items():
-        try:
-            train(*_configs(Path(corpus), run, model), Path(folder, mode), progress=False)
-        except Exception as error:  # reported by the test, with the mode that failed
-            failures[mode] = f"{type(error).__name__}: {error}"
-    dist.destroy_process_group()
-    Path(folder, f"rank{rank}.json").write_text(json.dumps(failures))
+def mode_configs(corpus: Path) -> dict:
+    """Each mode's configs for :func:`tests.helpers.trained_on_ranks`, on BPE tokens."""
+    return {mode: functools.partial(_configs, corpus, *MODES[mode]) for mode in MODES}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("two-ranks-bpe")
-    corpus = write_corpus(folder / "corpus")
-    spawn(_worker, (str(corpus), str(folder)), WORLD, SPAWN_TIMEOUT, "BPE training workers")
-    for rank in range(WORLD):
-        failures = json.loads((folder / f"rank{rank}.json").read_text())
-        assert not failures, f"rank {rank}: {failures}"
-    return folder
+    """Two ranks' run folders, one per mode, from one tiny corpus."""
+    corpus = write_corpus(tmp_path_factory.mktemp("two-ranks-bpe") / "corpus")
+    return trained_on_ranks(corpus.parent, corpus, __name__, WORLD, SPAWN_TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -36,6 +36,9 @@ class Implementation:
     features: tuple[str, ...] = ()  # keywords beyond the shared signature that change the result
 
 
+# What tiled, and auto through it, takes: the block engine's tiles and kernel, every feature.
+BLOCKS = dict(mask_grad=True, tuning=("block", "kernel"), features=FEATURES)
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
     for impl in (
@@ -60,18 +63,14 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
             tiled_attention,
             "FlashAttention's blocking in PyTorch, O(Q+K) memory",
             dropout=False,
-            mask_grad=True,
-            tuning=("block", "kernel"),
-            features=FEATURES,
+            **BLOCKS,
         ),
         Implementation(
             "auto",
             auto_attention,
             "per call, sdpa or tiled, whichever is faster for its structure (route)",
             dropout=True,
-            mask_grad=True,
-            tuning=("block", "kernel"),
-            features=FEATURES,
+            **BLOCKS,
         ),
         Implementation(
             "ring",

@@ -252,7 +252,7 @@ def resolve(
     run_config = RunConfig(**run_values)
     if run_config.init_from is not None and resume is None:
         model_values = _imported_model(run_config.init_from, preset, given)
-        run_config = _imported_tokenizer(run_config, model_values["vocab_size"], run_values)
+        run_config = imported_tokenizer(run_config, model_values["vocab_size"], run_values)
     model_values.setdefault("max_length", run_config.length)
     if run_config.tokenizer == "bpe":
         model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
@@ -289,13 +289,13 @@ def _imported_model(folder: str, preset: str | None, given: dict) -> dict:
     return values | runtime
 
 
-def _imported_tokenizer(run: RunConfig, vocab_size: int, given: dict) -> RunConfig:
+def imported_tokenizer(run: RunConfig, vocab_size: int, given: dict | None = None) -> RunConfig:
     """The run as it starts from ``run.init_from``: with the folder's tokenizer (bytes, or the
     byte-level BPE its weights were trained with); ValueError for another ``--tokenizer``."""
     from octlm.integrations.tokenizer_files import bpe_file
 
     name = "bytes" if bpe_file(run.init_from, vocab_size) is None else "bpe"
-    if given.get("tokenizer", name) != name:
+    if (given or {}).get("tokenizer", name) != name:
         raise ValueError(
             f"--init-from {run.init_from!r} brings its own tokenizer ({name}): drop "
             f"--tokenizer {given['tokenizer']}"

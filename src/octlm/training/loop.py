@@ -47,6 +47,7 @@ from octlm.training.config import (
     DTYPES,
     RunConfig,
     check_resumable,
+    imported_tokenizer,
     parameter_count,
     read_file,
     to_dict,
@@ -106,6 +107,8 @@ def train(
     the first step they raise :class:`Interrupted`, and the next start clears what was prepared.
     ``clock`` (seconds) measures the training time that ``run.time_budget`` spends.
     """
+    if run.init_from is not None and not resume:  # the run keeps its weights' tokenizer
+        run = imported_tokenizer(run, model_config.vocab_size)
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
     folder = Path(out)
     try:
@@ -385,7 +388,8 @@ def _prepare(folder: Path, model_config, run, resume: bool, overwrite: bool) -> 
         else:
             tokenizer = ByteTokenizer()
         summary = data.write_tokens(source, glob, run.val_share, folder / DATA_FOLDER, tokenizer)
-        tokenizer.save(folder)
+        if bpe is None:  # an imported tokenizer.json is already there, as it came
+            tokenizer.save(folder)
     _check_tokenizer(folder, summary, model_config, run)
     return summary
 
