@@ -138,6 +138,12 @@ class BPETokenizer:
                 f"{where}: {len(missing)} of the {BYTE_VOCAB} byte symbols are not in its "
                 f"vocabulary (byte {missing[0]} first), so some bytes have no token"
             )
+        probe = probe_text()
+        if tokenizer.decode(tokenizer.encode(probe).ids) != probe:
+            raise ValueError(
+                f"{where} is not a byte-level BPE as octlm trains it (check decoding): decoding "
+                "its tokens does not give the text back"
+            )
         self._byte_ids = [vocabulary[symbol] for symbol in symbols]  # byte -> id
         value = {symbol: byte for byte, symbol in enumerate(symbols)}
         self._pieces = [b""] * self.vocab_size  # id -> the bytes it stands for
@@ -221,23 +227,52 @@ def _valid_runs(data: bytes) -> list[str]:
 
 def _check_byte_level(spec: dict, where: str) -> None:
     """Raise ValueError unless ``spec`` (a tokenizer.json) is a byte-level BPE whose ids are
-    those of its own ``encode``: no normaliser, no added or special tokens, ByteLevel
-    pre-tokenizer without prefix space."""
+    those of its own ``encode``, naming each field that keeps it from being one: a BPE model,
+    no normaliser, no added or special tokens, a ByteLevel pre-tokenizer without prefix space
+    and a ByteLevel decoder."""
     pre = spec.get("pre_tokenizer") or {}
-    problems = {
-        "model": (spec.get("model") or {}).get("type") != "BPE",
-        "normalizer": spec.get("normalizer") is not None,
-        "added_tokens": bool(spec.get("added_tokens")),
-        "post_processor": spec.get("post_processor") is not None,
-        "pre_tokenizer": pre.get("type") != "ByteLevel" or pre.get("add_prefix_space"),
+    model = (spec.get("model") or {}).get("type")
+    checks = {
+        "model": (model != "BPE", f"its model is {model!r}, not 'BPE'"),
+        "normalizer": (
+            spec.get("normalizer") is not None,
+            "it has a normalizer, which changes the text before it is split",
+        ),
+        "added_tokens": (bool(spec.get("added_tokens")), "it adds special tokens to the text"),
+        "post_processor": (
+            spec.get("post_processor") is not None,
+            "it adds special tokens to the text",
+        ),
+        "pre_tokenizer": (
+            pre.get("type") != "ByteLevel" or bool(pre.get("add_prefix_space")),
+            "its pre-tokenizer has no ByteLevel step, so bytes are not all tokens"
+            if pre.get("type") != "ByteLevel"
+            else "its ByteLevel pre-tokenizer adds a prefix space, so decoding its tokens does "
+            "not give the text back",
+        ),
+        "decoder": (
+            (spec.get("decoder") or {}).get("type") != "ByteLevel",
+            "its decoder is not ByteLevel",
+        ),
     }
-    wrong = [name for name, bad in problems.items() if bad]
+    wrong = {name: reason for name, (bad, reason) in checks.items() if bad}
     if wrong:
         raise ValueError(
             f"{where} is not a byte-level BPE as octlm trains it (check {', '.join(wrong)}): "
-            "expected a BPE model, a ByteLevel pre-tokenizer without prefix space, and no "
-            "normalizer, post-processor or added tokens"
+            f"{'; '.join(dict.fromkeys(wrong.values()))}"
         )
+
+
+def probe_text() -> str:
+    """Text whose UTF-8 bytes include every byte that UTF-8 text can hold: ASCII, and each
+    lead byte with continuation bytes, plus runs of spaces and line ends."""
+    encoded = bytearray(range(0x80)) + b"  \n\n\t\r\n"
+    for lead in range(0xC2, 0xF5):
+        length = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        second = {0xE0: 0xA0, 0xF0: 0x90}.get(lead, 0x80)  # the smallest a lead byte allows
+        encoded += bytes([lead, second + (lead % 16), *[0x80 + lead % 32] * (length - 2)])
+    text = encoded.decode()
+    return text + "".join(map(chr, range(0x80, 0x100)))
 
 
 def load_tokenizer(folder: str | os.PathLike) -> ByteTokenizer | BPETokenizer:

@@ -25,7 +25,7 @@ except ImportError as error:
 
 from octlm.tokenizer import BYTE_VOCAB as BYTES
 from octlm.tokenizer import TOKENIZER_FILE as TOKENIZER
-from octlm.tokenizer import byte_symbols
+from octlm.tokenizer import BPETokenizer, byte_symbols, probe_text
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -73,12 +73,13 @@ def bpe_file(folder: str | os.PathLike, vocab_size: int) -> Path | None:
         raise ValueError(f"{str(path)!r} is not a tokenizers file: {error}") from None
     if _gives_bytes(tokenizer):
         return None
-    refusal = _not_byte_level_bpe(json.loads(path.read_text()), tokenizer)
-    if refusal:
+    try:
+        BPETokenizer.from_file(path)  # the check a run folder's tokenizer.json passes
+    except ValueError as error:
         raise ValueError(
             f"{str(path)!r} is neither a byte tokenizer nor a byte-level BPE that octlm can "
-            f"train with: {refusal}"
-        )
+            f"train with: {error}"
+        ) from None
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(
             f"{str(path)!r} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
@@ -90,42 +91,10 @@ def bpe_file(folder: str | os.PathLike, vocab_size: int) -> Path | None:
 def _gives_bytes(tokenizer: Tokenizer) -> bool:
     """Whether ``tokenizer`` maps text to its UTF-8 bytes and back, on text that holds every
     byte UTF-8 text can hold."""
-    probe = _probe_text()
+    probe = probe_text()
     ids = tokenizer.encode(probe).ids
     return (
         tokenizer.get_vocab_size() == BYTES
         and ids == list(probe.encode())
         and tokenizer.decode(ids) == probe
     )
-
-
-def _not_byte_level_bpe(layout: dict, tokenizer: Tokenizer) -> str | None:
-    """What keeps a tokenizer from being the byte-level BPE octlm trains (no normaliser, a
-    ``ByteLevel`` pre-tokenizer and decoder, no token added to the text), or None."""
-    model = (layout.get("model") or {}).get("type")
-    if model != "BPE":
-        return f"its model is {model!r}, not 'BPE'"
-    if layout.get("normalizer") is not None:
-        return "it has a normalizer, which changes the text before it is split"
-    if "ByteLevel" not in json.dumps(layout.get("pre_tokenizer")):
-        return "its pre-tokenizer has no ByteLevel step, so bytes are not all tokens"
-    if (layout.get("decoder") or {}).get("type") != "ByteLevel":
-        return "its decoder is not ByteLevel"
-    if layout.get("post_processor") is not None or layout.get("added_tokens"):
-        return "it adds special tokens to the text"
-    probe = _probe_text()
-    if tokenizer.decode(tokenizer.encode(probe).ids) != probe:
-        return "decoding its tokens does not give the text back"
-    return None
-
-
-def _probe_text() -> str:
-    """Text whose UTF-8 bytes include every byte that UTF-8 text can hold: ASCII, and each
-    lead byte with continuation bytes, plus runs of spaces and line ends."""
-    encoded = bytearray(range(0x80)) + b"  \n\n\t\r\n"
-    for lead in range(0xC2, 0xF5):
-        length = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-        second = {0xE0: 0xA0, 0xF0: 0x90}.get(lead, 0x80)  # the smallest a lead byte allows
-        encoded += bytes([lead, second + (lead % 16), *[0x80 + lead % 32] * (length - 2)])
-    text = encoded.decode()
-    return text + "".join(map(chr, range(0x80, 0x100)))
