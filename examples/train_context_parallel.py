@@ -5,11 +5,12 @@ On one CPU machine, four processes, gloo backend::
     torchrun --nproc-per-node 4 examples/train_context_parallel.py
 
 Every rank builds the same model from the same seed and draws the same batches of byte tokens;
-each keeps its zigzag shard of the positions (:mod:`octlm.parallel`) and ring attention passes
-keys and values between the ranks. The ranks' losses add up to the single-process loss and
-their summed gradients equal the single-process ones, so every rank takes the same optimizer
-step. Rank 0 prints the loss of each step and, first, the loss the same batch gets in one
-process, for comparison. The sequence length must be a multiple of twice the process count.
+each keeps its zigzag shard of the positions (:mod:`octlm.context_parallel`) and ring
+attention passes keys and values between the ranks. The ranks' losses add up to the
+single-process loss and their summed gradients equal the single-process ones, so every rank
+takes the same optimizer step. Rank 0 prints the loss of each step and, first, the loss the
+same batch gets in one process, for comparison. The sequence length must be a multiple of
+twice the process count.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from octlm.context_parallel import context_parallel_loss, reduce_gradients
 from octlm.model import ModelConfig, OctLM
-from octlm.parallel import context_parallel_loss, reduce_gradients
-from octlm.train import load_text
+from octlm.verify.loss_curve import load_text
 
 
 def main() -> None:

@@ -1,11 +1,15 @@
-"""Fixtures shared by every test module (helpers live in tests/helpers.py)."""
+"""Fixtures shared by every test module (helpers live in tests/helpers.py and
+tests/training_helpers.py)."""
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.training_helpers import write_corpus
 
 
 def pytest_configure(config):
@@ -29,3 +33,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A folder of generated text files for octlm train (tests/training_helpers.py)."""
+    return write_corpus(tmp_path / "corpus")

@@ -121,16 +121,21 @@ def assert_like_reference(tested: Tensor, query: Tensor, key: Tensor, value: Ten
     assert_judged(tested, naive_attention(query, key, value, **options), golden)
 
 
+def with_block(function, block):
+    """``function`` (one that takes tiles) with its ``block`` bound."""
+    return lambda *args, **kw: function(*args, block=block, **kw)
+
+
 def tiled(block):
     """``tiled_attention`` with its ``block`` bound."""
-    return lambda *args, **kw: tiled_attention(*args, block=block, **kw)
+    return with_block(tiled_attention, block)
 
 
 def implementations_with(feature: str, block=(16, 32)) -> dict:
-    """Every registered implementation that takes ``feature``, tiled with small blocks (so
-    short inputs still cut into several)."""
+    """Every registered implementation that takes ``feature``, those with tiles given small
+    blocks (so short inputs still cut into several)."""
     return {
-        name: tiled(block) if "block" in impl.tuning else impl.function
+        name: with_block(impl.function, block) if "block" in impl.tuning else impl.function
         for name, impl in IMPLEMENTATIONS.items()
         if feature in impl.features
     }
@@ -156,3 +161,37 @@ def join_gloo(rank: int, world: int, store: str) -> None:
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
+
+
+def trained_on_ranks(folder, corpus, plan: str, world: int, timeout: float):
+    """Train every mode of ``plan`` (a test module whose ``mode_configs(corpus)`` maps each
+    mode to a function giving its model and run configs) on ``world`` gloo ranks, one run
+    folder per mode under ``folder``; each rank's failures must be none. Returns ``folder``."""
+    import json
+
+    spawn(_train_each_mode, (plan, str(corpus), str(folder), world), world, timeout, plan)
+    for rank in range(world):
+        failures = json.loads((folder / f"rank{rank}.json").read_text())
+        assert not failures, f"rank {rank}: {failures}"
+    return folder
+
+
+def _train_each_mode(rank: int, plan: str, corpus: str, folder: str, world: int) -> None:
+    """One rank's work for :func:`trained_on_ranks`, recording each mode's failure."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from octlm.training import train
+
+    join_gloo(rank, world, f"{folder}/store")
+    failures = {}
+    for mode, config in importlib.import_module(plan).mode_configs(Path(corpus)).items():
+        try:
+            train(*config(), Path(folder, mode), progress=False)
+        except Exception as error:  # reported by the test, with the mode that failed
+            failures[mode] = f"{type(error).__name__}: {error}"
+    dist.destroy_process_group()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(failures))

@@ -6,7 +6,6 @@ Tiny sizes only; each worker costs a Python start with torch. No timing is asser
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -20,10 +19,10 @@ import pytest
 import torch
 
 from octlm import records
-from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.bench import driver, ring, worker
-from octlm.bench.suites import FEATURES, SUITES, Grid, Measurement, suite
-from octlm.bench.worker import FAULT_ENV, flops, matmul_peak
+from octlm.bench.suites import FEATURES, Grid, Measurement, suite
+from octlm.bench.worker import FAULT_ENV
 from octlm.cli import main
 
 # docs/design.md §5: the common fields, the benchmark record, and the fields added since.
@@ -368,32 +367,6 @@ def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, 
     assert workers[1].poll() == -signal.SIGKILL
 
 
-def test_suites_expand_to_the_issue_grids():
-    baseline = suite("baseline")
-    assert len(baseline) == 4 * 2 * 5 + 4  # five backends in two dtypes, and the Day 2 sketch
-    assert suite("seed") == baseline  # the old name still works
-    assert {m.dtype for m in baseline if m.backend == "sketch"} == {"float32"}
-    assert {m.length for m in baseline} == {1024, 2048, 4096, 8192}
-    assert {(m.batch, m.heads, m.head_size, m.mode, m.causal) for m in baseline} == {
-        (1, 8, 32, "forward", True)
-    }
-    train = suite("train")
-    assert {m.backend for m in train if m.length == 16384} == {"math", "flash", "tiled"}
-    structure = {
-        (m.q_len, m.length, m.window, m.padding, m.feature, m.mode) for m in suite("structure")
-    }
-    assert structure == {
-        (8192, 8192, 512, 0.0, None, "forward"), (8192, 8192, 512, 0.0, None, "train"),
-        (1024, 8192, 0, 0.0, None, "forward"), (1, 8192, 0, 0.0, None, "forward"),
-        (8192, 8192, 0, 0.5, None, "forward"), (8192, 8192, 0, 0.5, "left padding", "forward"),
-        *((8192, 8192, 0, 0.0, feature, mode) for feature in ("documents", "softcap", "alibi",
-          "sinks") for mode in ("forward", "train")),
-    }  # fmt: skip
-    assert {m.backend for m in suite("structure")} == {"flash", "tiled", "math"}
-    assert {m.device for m in suite("cuda")} == {"cuda"}
-    assert set(SUITES) == {"baseline", "train", "structure", "cuda"}
-
-
 @pytest.mark.parametrize("feature", FEATURES)
 def test_each_feature_reaches_tiled_and_sdpa_and_both_agree(feature):
     """The worker's call gives tiled and SDPA (with its dense mask) the feature's keywords:
@@ -502,13 +475,6 @@ def test_a_full_disk_is_a_clear_error(fake_probe, fake_spawn):
         driver.run(tiny("flash"), "/dev/full", peak=False)
 
 
-def test_the_matmul_peak_record_counts_two_n_cubed_operations():
-    record = matmul_peak("test", run="r", size=128)
-    assert record["kind"] == "peak" and record["run"] == "r" and record["size"] == 128
-    assert len(record["seconds"]) == 3
-    assert math.isclose(record["gflops"], 2 * 128**3 / record["seconds_median"] / 1e9)
-
-
 @pytest.mark.parametrize(
     "argv, named",
     [
@@ -548,16 +514,9 @@ def test_cuda_without_a_gpu_is_refused_before_any_measurement(tmp_path, capsys):
     assert not output.exists()
 
 
-def test_flops_follow_flash_attentions_count():
-    [square] = tiny("flash", lengths=(64,))
-    assert flops(square) == 4 * 1 * 2 * 64 * 64 * 16 / 2
-    assert flops(replace(square, mode="train")) == 3.5 * flops(square)
-    assert flops(replace(square, q_len=1)) == 4 * 1 * 2 * 1 * 64 * 16
-
-
-def test_the_day2_sketch_runs_forward_only_and_matches_the_reference():
+def test_the_sketch_runs_forward_only_and_matches_the_reference():
     from octlm.attention import naive_attention
-    from octlm.bench.sketch import day2_sketch
+    from octlm.bench.sketch import sketch_attention
     from octlm.bench.worker import measure
 
     forward, train = tiny("sketch", modes=("forward", "train"))
@@ -565,7 +524,7 @@ def test_the_day2_sketch_runs_forward_only_and_matches_the_reference():
     assert measure(train)["status"] == "unsupported"
     query, key, value = torch.randn(3, 1, 2, 70, 16, dtype=torch.float64)
     torch.testing.assert_close(
-        day2_sketch(query, key, value, block=16), naive_attention(query, key, value)
+        sketch_attention(query, key, value, block=16), naive_attention(query, key, value)
     )
 
 
@@ -574,7 +533,7 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     must reset the peak before the call, read max_memory_allocated after, never RSS, and the
     timer must synchronise on both sides of the step."""
     from octlm.bench import memory
-    from octlm.bench.worker import _timed
+    from octlm.bench.timing import device_fence, time_calls
 
     calls = []
     fake = {
@@ -591,7 +550,7 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     assert memory.peak("cuda") == 350
     assert memory.available("cuda") == 7 * 2**30
     calls.clear()
-    _timed(lambda: calls.append("step"), torch.device("cuda"))
+    time_calls(lambda: calls.append("step"), 1, fence=device_fence(torch.device("cuda")))
     assert calls == ["sync", "step", "sync"]
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from octlm import KVCache, ModelConfig, OctLM
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge
 from octlm.model import document_positions
-from octlm.train import train
+from octlm.verify.loss_curve import loss_curve
 
 IMPLEMENTATIONS = ("naive", "sdpa", "tiled")
 # Tiny tiles, so that the tiled path really walks several blocks at these short lengths.
@@ -100,9 +100,14 @@ def test_cached_decoding_matches_full_forward(attention, window, chunks):
         pieces.append(model(chunk, cache=cache))
         # Allocated once, at the first call, and written in place after: with a window the
         # buffers hold only the window (a ring), without one every position up to max_length.
-        buffers = buffers or [buffer.data_ptr() for buffer in cache.keys + cache.values]
-        assert [buffer.data_ptr() for buffer in cache.keys + cache.values] == buffers
-        assert {key.shape[2] for key in cache.keys} == {window or config.max_length}
+        views = cache.keys + cache.values
+        buffers = buffers or [view.data_ptr() for view in views]
+        assert [view.data_ptr() for view in views] == buffers
+        slots = window or config.max_length
+        assert {view.untyped_storage().nbytes() for view in views} == {
+            2 * config.n_kv_heads * slots * config.head_size * 8
+        }  # float64
+        assert {view.shape[2] for view in views} == {min(cache.length, slots)}
     assert cache.length == tokens.shape[1]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-10)
 
@@ -231,7 +236,7 @@ IDS = torch.zeros(2, 4, dtype=torch.long)
         (IDS[:, :3], {}, ValueError, r"shape of tokens \(2, 4\), got \(2, 3\)"),
         (IDS.to("meta"), {}, ValueError, r"is on meta but tokens are on cpu"),
         (IDS, {"positions": torch.arange(4)}, ValueError, r"pass positions or document_ids"),
-        (IDS, {"attention": "ring"}, ValueError, r"in \('naive', 'sdpa', 'tiled'\); 'ring'"),
+        (IDS, {"attention": "ring"}, ValueError, r"'sdpa', 'tiled', 'auto'\); 'ring' does not"),
     ],
 )
 def test_bad_document_ids_raise(document_ids, options, error, match):
@@ -576,7 +581,8 @@ def test_cache_capacity_bounds_the_buffers_and_is_refused_when_exceeded():
     model = OctLM(SMALL).eval()
     cache = KVCache(SMALL, capacity=10)
     model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
-    assert cache.keys[0].shape == (1, SMALL.n_heads, 10, SMALL.head_size)
+    assert cache.keys[0].shape == (1, SMALL.n_heads, 8, SMALL.head_size)
+    assert cache.keys[0].untyped_storage().nbytes() == SMALL.n_heads * 10 * SMALL.head_size * 4
     with pytest.raises(ValueError, match=r"8 cached \+ 3 new positions exceed .* capacity of 10"):
         model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
     assert cache.length == 8
@@ -598,17 +604,17 @@ def test_bad_positions_and_cache_batch_raise():
 
 
 def test_training_lowers_the_loss():
-    losses = train(replace(SMALL, n_kv_heads=2, attention="sdpa"), steps=30)
+    losses = loss_curve(replace(SMALL, n_kv_heads=2, attention="sdpa"), steps=30)
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
 
 
 def test_training_is_reproducible_and_the_same_for_every_implementation():
     curves = {
-        name: train(replace(SMALL, n_kv_heads=2, attention=name), steps=20)
+        name: loss_curve(replace(SMALL, n_kv_heads=2, attention=name), steps=20)
         for name in IMPLEMENTATIONS
     }
-    assert train(replace(SMALL, n_kv_heads=2, attention="naive"), steps=20) == curves["naive"]
+    assert loss_curve(replace(SMALL, n_kv_heads=2, attention="naive"), steps=20) == curves["naive"]
     for name in IMPLEMENTATIONS[1:]:
         assert curves[name] == pytest.approx(curves["naive"], rel=1e-4), name
 
@@ -619,7 +625,7 @@ def test_a_model_file_of_the_first_format_still_loads():
     path = Path(__file__).parent / "fixtures" / "model-format-1.pt"
     loaded = OctLM.load(path)
     torch.manual_seed(0)
-    made = OctLM(ModelConfig(width=16, n_layers=1, n_heads=2, max_length=32))
-    assert loaded.config == made.config
+    made = OctLM(ModelConfig(width=16, n_layers=1, n_heads=2, max_length=32, attention="sdpa"))
+    assert loaded.config == made.config  # the file names sdpa as its attention
     for (name, a), b in zip(loaded.state_dict().items(), made.state_dict().values(), strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name

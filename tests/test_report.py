@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,8 +16,10 @@ from octlm.bench.suites import Grid, key_of
 from octlm.bench.worker import make_record
 from octlm.cli import main
 from octlm.report import NOT_MEASURED, claims, collect, load, write_report
+from octlm.report.claims import HEADER as CLAIMS_HEADER
 from octlm.report.collect import busy as busy_reason
 from octlm.report.collect import latest_runs
+from octlm.report.format import BUSY_MARK
 
 # Synthetic records of the baseline, train and structure suites
 # (tests/fixtures/make_bench_records.py).
@@ -22,6 +27,91 @@ FIXTURE = Path(__file__).parent / "fixtures" / "bench-records.jsonl"
 RUNS = Path(__file__).parent.parent / "runs"
 PNG = b"\x89PNG\r\n\x1a\n"
 MACHINE = {"torch": "2.13.0+cpu", "device": "cpu", "threads": 2, "host_cpu": "Test CPU"}
+
+
+def cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def tables(text: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table of ``text``: its rows, each ``{heading: cell}``."""
+    found, lines = [], text.splitlines()
+    for index, line in enumerate(lines[:-1]):
+        if line.startswith("|") and lines[index + 1].startswith("|---"):
+            headings, rows = cells(line), []
+            for body in lines[index + 2 :]:
+                if not body.startswith("|"):
+                    break
+                rows.append(dict(zip(headings, cells(body), strict=True)))
+            found.append(rows)
+    return found
+
+
+def row(text: str, **match: str) -> dict[str, str]:
+    """The one row of the report's tables whose cells hold ``match`` (a heading's spaces and
+    other characters as underscores)."""
+
+    def key(heading: str) -> str:
+        return re.sub(r"\W", "_", heading)
+
+    hits = [
+        r
+        for found in tables(text)
+        for r in found
+        if all(any(key(h) == name and r[h] == v for h in r) for name, v in match.items())
+    ]
+    assert len(hits) == 1, (match, hits)
+    return hits[0]
+
+
+def shown(text: str) -> float:
+    """The first number written in ``text`` (thousands separators allowed)."""
+    return float(re.search(r"-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?", text).group().replace(",", ""))
+
+
+def shows(text: str, value: float) -> bool:
+    """Whether the three significant digits written in ``text`` are ``value`` rounded."""
+    unit = 10 ** (math.floor(math.log10(abs(value))) - 2) if value else 0.0
+    return abs(shown(text) - value) <= unit / 2 + 1e-12
+
+
+def duration(text: str) -> float:
+    """Seconds of a cell that starts ``500.0 ms`` (or ``s``, ``µs``)."""
+    number, unit = re.match(r"([\d,.]+) (s|ms|µs)\b", text).groups()
+    return float(number.replace(",", "")) * {"s": 1.0, "ms": 1e-3, "µs": 1e-6}[unit]
+
+
+def time_and_memory(text: str, seconds: float, bytes_: int, busy: bool = False) -> bool:
+    """Whether a ``time, memory`` cell shows ``seconds`` (to its written digits), ``bytes_``
+    in MiB, and the busy mark exactly when ``busy``."""
+    digits = len(text.split(" ")[0].partition(".")[2])
+    unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6}[text.split(" ")[1].rstrip(",")]
+    close = abs(duration(text) - seconds) <= 0.5 * 10**-digits * unit + 1e-12
+    memory = shown(text.split(", ")[1]) == round(bytes_ / 2**20)
+    return close and memory and (BUSY_MARK in text) == busy
+
+
+def over_rounds(text: str, ratios: list[float]) -> bool:
+    """Whether a ``median× (min–max, n rounds)`` cell is these per-round ratios."""
+    median, rest = text.split("× ", 1)
+    if len(ratios) == 1:
+        return shows(median, ratios[0]) and rest == "(1 round)"
+    low, high, count = re.match(r"\((\S+)–(\S+), (\d+) rounds\)", rest).groups()
+    return (
+        shows(median, statistics.median(ratios)) and shows(low, min(ratios))
+        and shows(high, max(ratios)) and int(count) == len(ratios)
+    )  # fmt: skip
+
+
+def fixture_seconds(**want) -> float:
+    """The fixture's ok forward float32 record at 8,192 keys that matches ``want``: its time."""
+    want = {"length": 8192, "dtype": "float32", "mode": "forward", "q_len": 8192, **want}
+    want = {"window": 0, "padding": 0.0, "status": "ok", **want}
+    [found] = [
+        r for r in map(json.loads, FIXTURE.read_text().splitlines())
+        if r.get("kind") == "bench" and all(r.get(k) == v for k, v in want.items())
+    ]  # fmt: skip
+    return found["seconds_median"]
 
 
 def write(path: Path, found: list[dict]) -> Path:
@@ -41,14 +131,29 @@ def test_report_from_fixture_has_claims_structure_and_plots(tmp_path):
     assert main(["report", str(FIXTURE), "--output", str(output)]) == 0
     text = output.read_text()
     assert "host CPU Fixture CPU, 2 threads, torch 2.13.0+cpu" in text
-    assert "| Claim | Day 2 note (laptop CPU) | Here |" in text
-    # The fixture's MATH takes 8e-8 s per score and FLASH 7.5e-9 s: a 10.7x speed-up.
-    assert "| FLASH speed-up over MATH, float32 | 10.5× at 8,192 | 10.7× at 8,192 |" in text
-    assert "unsupported in all 8 measurements" in text
-    assert (
-        "| window, forward | cpu ×2 float32 forward, 8,192 queries × 8,192 keys, window 512" in text
+    assert any(list(found[0]) == CLAIMS_HEADER for found in tables(text))
+    notes = {claim: note for claim, note, _here in claims(load([FIXTURE]))}
+    speed_up = row(text, Claim="FLASH speed-up over MATH, float32")
+    assert speed_up["Day 2 note (laptop CPU)"] == notes["FLASH speed-up over MATH, float32"]
+    assert shows(
+        speed_up["Here"], fixture_seconds(backend="math") / fixture_seconds(backend="flash")
     )
-    assert "| decode | cpu ×2 float32 forward, 1 query × 8,192 keys" in text
+    assert speed_up["Here"].endswith("at 8,192")
+    lines = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    efficient = [r for r in lines if r.get("backend") == "efficient"]
+    assert {r["status"] for r in efficient} == {"unsupported"}
+    refused = row(text, Claim="memory-efficient backend on CPU")["Here"]
+    assert refused.startswith(f"unsupported in all {len(efficient)} measurements")
+    for case, want in (("window, forward", dict(window=512)), ("decode", dict(q_len=1))):
+        want = {"backend": "flash", "status": "ok", "mode": "forward", **want}
+        [flash] = [r for r in lines if all(r.get(k) == v for k, v in want.items())]
+        found = row(text, Case=case)
+        queries = "1 query" if flash["q_len"] == 1 else f"{flash['q_len']:,} queries"
+        assert f"float32 forward, {queries} × {flash['length']:,} keys" in found["Shape"]
+        assert ("window" in found["Shape"]) == bool(flash["window"])
+        assert time_and_memory(
+            found["FLASH (dense mask)"], flash["seconds_median"], flash["extra_bytes"]
+        )
     pictures = sorted(p.name for p in output.parent.glob("*.png"))
     assert pictures == sorted(
         f"bench-cpu-{mode}-{metric}.png"
@@ -120,9 +225,21 @@ def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
     write_report([FIXTURE, verify, ring], output)
     text = output.read_text()
     assert "4 verification records from the latest run of each of 3 experiments, 1 failed" in text
-    assert "| 4.8e-7 | 9e-07 (2/2 pass) |" in text
-    assert "| 1.1e-6 | 1.2e-06 (0/1 pass) |" in text
-    assert "| 1 MiB | 300 MiB |" in text and "| 4 | 500.0 ms |" in text
+    for check, left, experiment in (
+        ("tiled vs SDPA, float32", "tiled", "tiled-sdpa"),
+        ("whole model, SDPA vs naive logits", "sdpa", "model-equivalence"),
+    ):
+        mine = [c for c in checks if c["left"] == left and c["experiment"] == experiment]
+        found = [r for t in tables(text) for r in t if r.get("Check", "").startswith(check)]
+        [here] = [r["Here"] for r in found]
+        worst = max(c["max_abs_diff"] for c in mine)
+        passed = sum(c["passed"] for c in mine)
+        assert shown(here) == worst and here.endswith(f"({passed}/{len(mine)} pass)")
+    ring_row = row(text, Processes="4")
+    assert (
+        ring_row["Extra memory"] == "1 MiB" and shown(ring_row["Peak (its shard included)"]) == 300
+    )
+    assert duration(ring_row["Time"]) == 0.5 and ring_row["Length"] == f"{first['length']:,}"
 
 
 def test_committed_records_without_a_kind_are_read_with_the_kind_they_imply():
@@ -171,8 +288,9 @@ def test_structure_targets_judge_only_the_length_they_are_set_for(tmp_path):
         figures = dict(seconds_median=seconds, seconds=[seconds], extra_bytes=1, peak_bytes=2)
         found.append(make_record(m, "test", MACHINE, run="r", round=1, status="ok", **figures))
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| window, forward |"))
-    assert row.endswith("| speed-up 2× | speed-up ≥ 3× at 8,192 keys |  |"), row
+    window = row(text, Case="window, forward")
+    assert window["Ratio"].startswith("speed-up") and shows(window["Ratio"].split()[1], 1.0 / 0.5)
+    assert window["Target"].endswith("at 8,192 keys") and window["Met"] == ""
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
@@ -201,14 +319,18 @@ def test_ratios_come_per_round_with_their_spread_and_fraction_of_peak(tmp_path):
         found.append(timed("flash", flash, round, tflops=0.06))
     found.append(records.make("peak", "test", MACHINE, run="r", busy=False, gflops=120.0, size=64))
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    # rounds: 1.2, 1.5, 1.3 -> median 1.3
-    assert (
-        "| cpu ×2 forward float32 8,192 | tiled ÷ FLASH | 1.3× (1.2–1.5, 3 rounds) | 25% | 50% |"
-        in text
-    )
+    pairs = [(0.6, 0.5), (0.9, 0.6), (0.65, 0.5)]
+    ratio = row(text, Ratio="tiled ÷ FLASH")
+    assert ratio["Shape"] == "cpu ×2 forward float32 8,192"
+    assert over_rounds(ratio["Median (min–max, rounds)"], [t / f for t, f in pairs])
+    # TFLOP/s of the record over the run's GFLOP/s
+    assert shown(ratio["% of peak"]) == 0.03e3 / 120 * 100 and ratio["% of peak"].endswith("%")
+    assert shown(ratio["FLASH % of peak"]) == 0.06e3 / 120 * 100
     assert "120 GFLOP/s over 1 run(s)" in text
-    # the "every measurement" table shows the median of the rounds: FLASH 0.5, tiled 0.65
-    assert "| 8,192 | 500.0 ms, 1 MiB | 650.0 ms, 1 MiB |" in text
+    # the "every measurement" table shows the median of the rounds
+    every = row(text, length="8,192")
+    assert time_and_memory(every["flash"], statistics.median(f for _, f in pairs), 2**20)
+    assert time_and_memory(every["tiled"], statistics.median(t for t, _ in pairs), 2**20)
 
 
 def test_records_of_two_thread_counts_are_two_measurements_never_a_pair(tmp_path):
@@ -221,7 +343,8 @@ def test_records_of_two_thread_counts_are_two_measurements_never_a_pair(tmp_path
     ).read_text()
     assert ": 3 benchmark measurements" in text
     assert "**cpu ×2, forward, float32**" in text and "**cpu ×1, forward, float32**" in text
-    assert "(a sketch, not timed) | time 1.2× FLASH" in text  # 0.6 / 0.5, both on 2 threads
+    against = row(text, Claim="tiled against FLASH, forward float32")["Here"]
+    assert against.startswith("time ") and shows(against.split()[1], 0.6 / 0.5)  # 2 threads
 
 
 @pytest.mark.parametrize(
@@ -249,8 +372,19 @@ def test_measurements_on_a_busy_machine_are_flagged(tmp_path):
     ]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
     assert "2 of 3 idle measurements (rounds counted one by one) were taken" in text
-    assert "| 8,192 | 500.0 ms, 1 MiB † | 5.00 s, 1 MiB | 600.0 ms, 1 MiB † |" in text
-    assert "| tiled ÷ FLASH | 1.2× (1 round) | — | 150% † | 1 of 1 |" in text
+    every = row(text, length="8,192")
+    for record in found[:3]:
+        flagged = busy_reason(record) is not None
+        cell = every[record["backend"]]
+        assert time_and_memory(cell, record["seconds_median"], record["extra_bytes"], flagged)
+    ratio = row(text, Ratio="tiled ÷ FLASH")
+    assert over_rounds(ratio["Median (min–max, rounds)"], [0.6 / 0.5])
+    assert ratio["% of peak"] == "—"  # the tiled record has no FLOP rate
+    assert (
+        shown(ratio["FLASH % of peak"]) == 0.06e3 / 40 * 100
+        and BUSY_MARK in ratio["FLASH % of peak"]
+    )
+    assert ratio["Rounds on a busy machine"] == "1 of 1"
     assert "1 of 1 probe(s) ran busy (load 3.00 on 2 CPUs)" in text
 
 
@@ -271,15 +405,28 @@ def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):
         for backend, (idle, busy) in (("tiled", tiled), ("flash", flash)):
             found += [timed(backend, idle, round), timed(backend, busy, round, busy=True)]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    # tiled grows 3x and 4x, FLASH 2x: relative growth 1.5 and 2 against the target 1.1
-    row = "| cpu ×2 forward float32 8,192 | 3.5× (3–4, 2 rounds) | 2× (2–2, 2 rounds) |"
-    assert row + " 1.75× (1.5–2, 2 rounds) | no |" in text
+    tiled = [busy / idle for idle, busy in ((0.6, 1.8), (0.6, 2.4))]
+    flash = [busy / idle for idle, busy in ((0.4, 0.8), (0.4, 0.8))]
+    growth = row(text, Shape="cpu ×2 forward float32 8,192", Met="no")
+    assert over_rounds(growth["tiled busy ÷ idle"], tiled)
+    assert over_rounds(growth["FLASH busy ÷ idle"], flash)
+    assert over_rounds(
+        growth["tiled growth ÷ FLASH growth"], [t / f for t, f in zip(tiled, flash, strict=True)]
+    )
     # busy measurements stay out of the idle tables
-    assert "| 8,192 | 400.0 ms, 1 MiB | 600.0 ms, 1 MiB |" in text
+    every = row(text, length="8,192")
+    assert time_and_memory(every["flash"], 0.4, 2**20) and time_and_memory(
+        every["tiled"], 0.6, 2**20
+    )
     # an idle baseline taken on a busy machine cannot judge the target
     found[0] = {**found[0], "load_before": 9.0, "cpus": 2}
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert "| not judged: the idle runs were on a busy machine |" in text
+    judged = row(
+        text,
+        Shape="cpu ×2 forward float32 8,192",
+        Met="not judged: the idle runs were on a busy machine",
+    )
+    assert over_rounds(judged["tiled busy ÷ idle"], tiled)
 
 
 def test_a_training_runs_metrics_become_a_table(tmp_path):
@@ -292,7 +439,12 @@ def test_a_training_runs_metrics_become_a_table(tmp_path):
     text = write_report([path], tmp_path / "report.md").read_text()
     assert "## Training run" in text
     assert "100 steps, 1 evaluations; median 1,050 tokens/s." in text
-    assert "| 100 | 4.0000 | 0.001 | 0.5 | 4.2500 | 1.5000 |" in text
+    last, evaluation = metrics[-2], metrics[-1]
+    step = row(text, Step="100")
+    assert shown(step["Loss"]) == last["loss"] and shown(step["Learning rate"]) == last["lr"]
+    assert shown(step["Grad norm"]) == last["grad_norm"]
+    assert shown(step["Val loss"]) == evaluation["val_loss"]
+    assert shown(step["Val bits/byte"]) == evaluation["val_bits_per_byte"]
 
 
 def test_verify_run_twice_is_counted_once(tmp_path):
@@ -322,11 +474,20 @@ def test_records_that_differ_in_feature_or_tiles_never_pair(tmp_path):
         {**timed("tiled", 2.2), "feature": "softcap"},
     ]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert "| cpu ×2 forward float32 8,192 | tiled ÷ FLASH | 2× (1 round) |" in text
-    assert "| cpu ×2 forward float32 8,192 | tiled 16×16 ÷ FLASH | 10× (1 round) |" in text
-    assert "| cpu ×2 forward float32 8,192, softcap | tiled ÷ FLASH | 1.1× (1 round) |" in text
+    for shape, ratio, seconds in (
+        ("cpu ×2 forward float32 8,192", "tiled ÷ FLASH", 1.0 / 0.5),
+        ("cpu ×2 forward float32 8,192", "tiled 16×16 ÷ FLASH", 5.0 / 0.5),
+        ("cpu ×2 forward float32 8,192, softcap", "tiled ÷ FLASH", 2.2 / 2.0),
+    ):
+        assert over_rounds(
+            row(text, Shape=shape, Ratio=ratio)["Median (min–max, rounds)"], [seconds]
+        )
     # the table of plain measurements keeps the softcap runs out and the tilings apart
-    assert "| 8,192 | 500.0 ms, 1 MiB | 1.00 s, 1 MiB | 5.00 s, 1 MiB |" in text
+    every = row(text, length="8,192")
+    assert time_and_memory(every["flash"], 0.5, 2**20) and time_and_memory(
+        every["tiled"], 1.0, 2**20
+    )
+    assert time_and_memory(every["tiled 16×16"], 5.0, 2**20) and len(every) == 4
 
 
 def test_ratios_pair_records_of_one_run_only(tmp_path):
@@ -345,7 +506,10 @@ def test_contention_rounds_that_never_meet_read_not_measured(tmp_path):
     found = [timed("tiled", 0.6, 1), timed("tiled", 1.8, 1, busy=True)]
     found += [timed("flash", 0.4, 2), timed("flash", 0.8, 2, busy=True)]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert f"| 3× (1 round) | 2× (1 round) | {NOT_MEASURED} |" in text
+    growth = row(text, Shape="cpu ×2 forward float32 8,192")
+    assert over_rounds(growth["tiled busy ÷ idle"], [1.8 / 0.6])
+    assert over_rounds(growth["FLASH busy ÷ idle"], [0.8 / 0.4])
+    assert growth["tiled growth ÷ FLASH growth"] == NOT_MEASURED
 
 
 def test_a_busy_round_marks_the_median_it_joins(tmp_path):
@@ -355,7 +519,8 @@ def test_a_busy_round_marks_the_median_it_joins(tmp_path):
         timed("flash", 0.5, 2, cpu_seconds=1.98, wall_seconds=1.0),
     ]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert "| 8,192 | 1.00 s, 1 MiB † |" in text
+    flash = row(text, length="8,192")["flash"]
+    assert time_and_memory(flash, statistics.median([1.5, 0.5]), 2**20, busy=True)
 
 
 def test_the_report_never_overwrites_its_records_and_reads_each_file_once(tmp_path, capsys):

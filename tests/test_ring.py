@@ -16,21 +16,19 @@ import torch
 import torch.distributed as dist
 
 from octlm.attention import naive_attention, ring_attention
-from octlm.attention.ring import (
-    _pieces,
-    _visible_pairs,
+from octlm.attention.ring import _visible_pairs
+from octlm.context_parallel import (
+    context_parallel_forward,
+    context_parallel_loss,
+    gather_logits,
     gather_sequence,
+    reduce_gradients,
+    shard_pieces,
     shard_positions,
     shard_sequence,
 )
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge, max_abs_diff
 from octlm.model import ModelConfig, OctLM
-from octlm.parallel import (
-    context_parallel_forward,
-    context_parallel_loss,
-    gather_logits,
-    reduce_gradients,
-)
 from tests.helpers import join_gloo, make_qkv, reference, spawn
 
 pytestmark = pytest.mark.distributed
@@ -281,7 +279,7 @@ def test_shard_pairs_that_share_no_document_are_skipped():
     and no pair is attended, where without documents all four would be."""
     ids = torch.arange(16).div(4, rounding_mode="floor").unsqueeze(0)  # (1, 16)
     options = {"causal": False, "window": 0}
-    queries, keys = _pieces(0, 2, "zigzag", 8), _pieces(1, 2, "zigzag", 8)
+    queries, keys = shard_pieces(0, 2, "zigzag", 8), shard_pieces(1, 2, "zigzag", 8)
     shard = [shard_sequence(ids, rank, 2, "zigzag", dim=1) for rank in (0, 1)]  # (1, 8) each
     assert len(list(_visible_pairs(queries, keys, options, None, None))) == 4
     assert not list(_visible_pairs(queries, keys, options, *shard))

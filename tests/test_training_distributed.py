@@ -7,6 +7,7 @@ the loss curves of ``metrics.jsonl``. Every mode's checkpoint must then load in 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from octlm.training import load_run, resolve, train
-from tests.helpers import join_gloo, spawn
-from tests.test_training import TINY_MODEL, TINY_RUN, losses, write_corpus
+from octlm import load_run
+from octlm.training import resolve, train
+from tests.helpers import trained_on_ranks
+from tests.training_helpers import TINY_MODEL, TINY_RUN, losses, write_corpus
 
 pytestmark = pytest.mark.distributed
 
@@ -38,29 +39,19 @@ def _run_options(corpus: Path, mode_options: dict) -> dict:
     return {**TINY_RUN, "data": str(corpus), "steps": 4, "eval_every": 4, **mode_options}
 
 
-def _worker(rank: int, corpus: str, folder: str) -> None:
-    join_gloo(rank, WORLD, f"{folder}/store")
-    failures = {}
-    for mode, (options, _reference) in MODES.items():
-        try:
-            model_config, run = resolve(model=TINY_MODEL, run=_run_options(Path(corpus), options))
-            train(model_config, run, Path(folder, mode), progress=False)
-        except Exception as error:  # reported by the test, with the mode that failed
-            failures[mode] = f"{type(error).__name__}: {error}"
-    dist.destroy_process_group()
-    Path(folder, f"rank{rank}.json").write_text(json.dumps(failures))
+def mode_configs(corpus: Path) -> dict:
+    """Each mode's model and run configs, as :func:`tests.helpers.trained_on_ranks` takes them."""
+    return {
+        mode: functools.partial(resolve, model=TINY_MODEL, run=_run_options(corpus, options))
+        for mode, (options, _reference) in MODES.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """A folder with one run folder per mode, trained by 2 gloo ranks."""
     folder = tmp_path_factory.mktemp("two-ranks")
-    corpus = write_corpus(folder / "corpus")
-    spawn(_worker, (str(corpus), str(folder)), WORLD, SPAWN_TIMEOUT, "training workers")
-    for rank in range(WORLD):
-        failures = json.loads((folder / f"rank{rank}.json").read_text())
-        assert not failures, f"rank {rank}: {failures}"
-    return folder
+    return trained_on_ranks(folder, write_corpus(folder / "corpus"), __name__, WORLD, SPAWN_TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -80,7 +71,7 @@ def test_two_ranks_give_the_single_process_loss_curve(runs, tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_of_every_mode_loads_in_one_process(runs, mode):
-    model, step = load_run(runs / mode)
+    model, _tokenizer, step = load_run(runs / mode)
     assert step == 4
     assert model.config.attention != "ring"  # ring attention's one-process twin
     logits = model(torch.zeros(1, 8, dtype=torch.int64))  # (1, 8, V)

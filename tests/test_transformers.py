@@ -24,7 +24,7 @@ from octlm.attention import IMPLEMENTATIONS, attention_mask, tiled_attention  # 
 # transformers.masking_utils (and so the integration) imports torch._dynamo, which imports
 # Triton: done at collection, that would come before tests/test_triton.py can switch Triton's
 # CPU interpreter on, so these modules are imported only while the tests run.
-NAMES = ("octlm_naive", "octlm_sdpa", "octlm_tiled")
+NAMES = ("octlm", "octlm_naive", "octlm_sdpa", "octlm_tiled", "octlm_auto")
 WINDOW = 16
 LENGTH = 64  # tokens per row: four windows, four tiles
 VOCAB = 96

@@ -2,12 +2,15 @@
 
 from octlm.attention import attention_mask, naive_attention, sdpa_attention, tiled_attention
 from octlm.model import KVCache, ModelConfig, OctLM
+from octlm.run_folder import Run, load_run
 
 __all__ = [
     "KVCache",
     "ModelConfig",
     "OctLM",
+    "Run",
     "attention_mask",
+    "load_run",
     "naive_attention",
     "sdpa_attention",
     "tiled_attention",

@@ -1,8 +1,10 @@
-"""``octlm verify | bench | report``: argument parsing only; the work is in the library."""
+"""``octlm verify | bench | report | train | sample``: argument parsing only; the work is in the
+library."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 
@@ -19,7 +21,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="runs", help="folder for the records (default runs)")
     parser.add_argument(
-        "--quick", action="store_true", help="fewer sizes and blocks: about a minute on 2 cores"
+        "--quick", action="store_true", help="fewer sizes and blocks, for a quick check"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default cpu)")
     parser.add_argument(
@@ -42,13 +44,9 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         verify.check_options(args.device, args.dtypes or (), args.only or ())
         plan = verify.QUICK if args.quick else verify.FULL
-        try:
-            found, paths = verify.run(
-                args.out, plan=plan, device=args.device, dtypes=args.dtypes, experiments=args.only
-            )
-        except KeyboardInterrupt:
-            print(f"octlm verify: interrupted; finished records are in {args.out}", file=sys.stderr)
-            return 130
+        found, paths = verify.run(
+            args.out, plan=plan, device=args.device, dtypes=args.dtypes, experiments=args.only
+        )
         print(verify.summary(found))
         print("records:", *paths, sep="\n  ")
         failed = sum(not record["passed"] for record in found)
@@ -57,23 +55,38 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
         return 1 if failed else 0
 
     # ValueError: an option or an output folder that cannot be written; OSError: a full disk.
-    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
+    parser.set_defaults(
+        run=run, exits={ValueError: 2, OSError: 1},
+        kept=lambda args: f"finished records are in {args.out}",
+    )  # fmt: skip
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm bench``: a named suite, and options that override its grid."""
-    from octlm.bench.suites import ALIASES, BACKENDS, DTYPES, FEATURES, GRID_OPTIONS, MODES, SUITES
+    from octlm.bench.suites import (
+        ALIASES,
+        BACKENDS,
+        DTYPES,
+        FEATURES,
+        GRID_OPTIONS,
+        MODES,
+        PROGRAMS,
+        SUITES,
+    )
 
     parser.description = (
         "Run every measurement of a suite in its own process and append one record per "
         "measurement, in rounds that alternate the backends. Grid options replace the suite's "
-        "value in all of its grids."
+        f"value in all of its grids. The suites {', '.join(PROGRAMS)} are programs with "
+        "options of their own: octlm bench --suite NAME --help."
     )
     parser.add_argument(
         "--suite",
-        choices=[*SUITES, *ALIASES],
+        choices=[*SUITES, *PROGRAMS, *ALIASES],
         default="baseline",
-        help="named grid (default: baseline, the Day 2 note's grid; seed is its old name)",
+        metavar="{" + ",".join([*SUITES, *PROGRAMS]) + "}",
+        help="named suite (default: baseline, SDPA MATH vs FLASH and the sketch on the "
+        "reference grid)",
     )
     grid = parser.add_argument_group("grid (default: the suite's)")
     grid.add_argument(
@@ -168,6 +181,8 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         from octlm.bench.driver import bench
 
+        if args.suite in PROGRAMS:  # reached only through an abbreviated --suite
+            raise ValueError(f"write --suite {args.suite} in full: it takes its own options")
         grid_options = {name: getattr(args, name) for name in GRID_OPTIONS}
         return bench(
             args.suite,
@@ -186,9 +201,9 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 def _report_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm report``: which records, and where the Markdown and plots go."""
     parser.description = (
-        "Tables and plots from records: the Day 2 note's claims beside this machine's "
-        "figures, ratios within rounds and under contention, equivalence, the structure "
-        "cases, ring attention, a training run's metrics, and every plain measurement."
+        "Tables and plots from records: the baseline figures beside this machine's, ratios "
+        "within rounds and under contention, equivalence, the structure cases, ring attention, "
+        "a training run's metrics, and every plain measurement."
     )
     parser.add_argument(
         "paths",
@@ -218,10 +233,11 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
     from octlm.training import config
 
     parser.description = (
-        "Train an octlm model on bytes of text: one process, or several under torchrun "
-        "(DDP by default, --fsdp, --context-parallel). With no --data the corpus is this "
-        "Python's standard library. The run folder (--out) keeps config.json, metrics.jsonl, "
-        "loss.png, the token files and the last checkpoints."
+        "Train an octlm model on text, as bytes or as BPE tokens (--tokenizer): one process, "
+        "or several under torchrun (DDP by default, --fsdp, --context-parallel). With no --data "
+        "the corpus is this Python's standard library. The run folder (--out) keeps "
+        "config.json, metrics.jsonl, loss.png, the token files (and tokenizer.json for BPE) "
+        "and the last checkpoints."
     )
     parser.epilog = "presets (--width and friends override them):\n" + config.preset_summary()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -266,7 +282,8 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
         stopped = getattr(signal.Signals, outcome.stopped_by, signal.SIGINT)
         return 128 + stopped
 
-    parser.set_defaults(run=run)
+    # ValueError: a bad option, data or run folder (one in use among them); OSError: a full disk.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
 
 
 def _sample_parser(parser: argparse.ArgumentParser) -> None:
@@ -277,21 +294,24 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("run_dir", help="a folder written by octlm train")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="tokens to generate (bytes for a byte run)"
+    )
     parser.add_argument(
         "--temperature", type=float, default=0.8, help="0 is greedy (default %(default)s)"
     )
-    parser.add_argument("--top-k", type=int, help="draw among the K likeliest bytes only")
+    parser.add_argument("--top-k", type=int, help="draw among the K likeliest tokens only")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the draw")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
     def run(args: argparse.Namespace) -> int:
-        from octlm.training import generate_text, load_run
+        from octlm import load_run
+        from octlm.training import generate_text
 
-        model, step = load_run(args.run_dir, args.device)
+        model, tokenizer, step = load_run(args.run_dir, args.device)
         text = generate_text(
             model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed,
+            top_k=args.top_k, seed=args.seed, tokenizer=tokenizer,
         )  # fmt: skip
         print(f"# {args.run_dir}, checkpoint of step {step}", file=sys.stderr)
         print(text)
@@ -301,6 +321,36 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
 
 
 # --- end of octlm train, octlm sample ---------------------------------------------------------
+
+
+def _export_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm export``: what to export and where."""
+    parser.description = (
+        "Write a run's model (its latest checkpoint, or --step's) or a model file saved with "
+        "OctLM.save as a transformers folder: config.json, generation_config.json, "
+        "model.safetensors and the tokenizer. AutoModelForCausalLM loads it as LlamaForCausalLM "
+        "(MistralForCausalLM for a model with a window), AutoTokenizer as the run's tokenizer; "
+        "octlm need not be installed there."
+    )
+    parser.add_argument("source", help="a run folder written by octlm train, or a model file")
+    parser.add_argument("out", help="the folder to write; must not exist or be empty")
+    parser.add_argument("--step", type=int, help="the run's checkpoint of this step")
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.export import Interrupted, export
+
+        try:
+            exported = export(args.source, args.out, step=args.step)
+        except Interrupted as interrupted:
+            print(f"octlm export: {interrupted}; nothing written to {args.out}", file=sys.stderr)
+            return 128 + interrupted.signum
+        step = "" if exported.step is None else f", checkpoint of step {exported.step}"
+        tokenizer = exported.tokenizer or "no tokenizer (the model file's vocabulary is not bytes)"
+        print(f"{exported.folder}: {exported.architecture}{step}, tokenizer {tokenizer}")
+        return 0
+
+    # A bad source, step or output folder; a full disk.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,23 +363,50 @@ def build_parser() -> argparse.ArgumentParser:
     _report_parser(commands.add_parser("report", help="tables and plots from records"))
     _train_parser(commands.add_parser("train", help="train a model -> a run folder"))
     _sample_parser(commands.add_parser("sample", help="text from a run folder's checkpoint"))
+    _export_parser(commands.add_parser("export", help="a run or model file -> transformers folder"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one verb. An error it expects (``exits``: a bad option or input, 2 by default; a
-    full disk, 1) is one line on stderr and that exit status, never a traceback; so is Ctrl-C
-    (130) where the verb does not say more itself."""
+    full disk, 1) is one line on stderr and that exit status, never a traceback; so are Ctrl-C
+    (130), SIGTERM and SIGHUP (128 + the signal) where the verb does not say more itself.
+
+    ``octlm bench --suite NAME`` for a program suite (:data:`octlm.bench.suites.PROGRAMS`) is
+    that program, given the other arguments: its options are its own, not the grid's.
+    """
+    from octlm.bench.guard import run_stoppable
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    program = _program_suite(argv)
+    if program is not None:
+        name, rest = program
+        from octlm.bench.suites import PROGRAMS
+
+        return importlib.import_module(PROGRAMS[name]).main(
+            rest, prog=f"octlm bench --suite {name}"
+        )
     args = build_parser().parse_args(argv)
     exits = getattr(args, "exits", {ValueError: 2})
-    try:
-        return int(args.run(args) or 0)
-    except tuple(exits) as error:
-        print(f"octlm {args.command}: {error}", file=sys.stderr)
-        return next(code for kind, code in exits.items() if isinstance(error, kind))
-    except KeyboardInterrupt:  # one the verb does not handle itself (while it starts up)
-        print(f"octlm {args.command}: interrupted", file=sys.stderr)
-        return 130
+    kept = getattr(args, "kept", None)
+    return run_stoppable(
+        f"octlm {args.command}", lambda: args.run(args), exits, kept(args) if kept else None
+    )
+
+
+def _program_suite(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(suite, the other arguments)`` when ``argv`` is ``bench --suite NAME ...`` with a
+    program suite ``NAME``; None otherwise."""
+    if not argv or argv[0] != "bench":
+        return None
+    from octlm.bench.suites import PROGRAMS
+
+    for index, argument in enumerate(argv[1:], start=1):
+        if argument == "--suite" and index + 1 < len(argv) and argv[index + 1] in PROGRAMS:
+            return argv[index + 1], argv[1:index] + argv[index + 2 :]
+        if argument.startswith("--suite=") and argument.split("=", 1)[1] in PROGRAMS:
+            return argument.split("=", 1)[1], argv[1:index] + argv[index + 1 :]
+    return None
 
 
 if __name__ == "__main__":

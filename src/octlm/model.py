@@ -1,4 +1,4 @@
-"""A small decoder-only language model whose attention runs naive, sdpa, tiled or ring.
+"""A small decoder-only language model whose attention runs naive, sdpa, tiled, auto or ring.
 
 tokens -> embedding -> n_layers x [RMSNorm -> attention -> +, RMSNorm -> SwiGLU -> +]
        -> RMSNorm -> logits through the embedding matrix (tied head)
@@ -12,12 +12,9 @@ heads in place, so the model never repeats them.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +22,8 @@ from torch import Tensor, nn
 
 from octlm.attention import IMPLEMENTATIONS, implementation
 from octlm.attention.registry import taking
-from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.attention.tiles import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.files import read_model, write_model
 
 
 def is_int_at_least(value, minimum: int) -> bool:
@@ -33,21 +31,28 @@ def is_int_at_least(value, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-# ModelConfig fields that say how attention is computed, not what the model computes: every
-# implementation, tile and kernel gives the same function of the same weights, so a checkpoint
-# loads, and a run resumes, under any of their values.
-INTERCHANGEABLE = frozenset({"attention", "block", "kernel"})
+# ModelConfig fields that say how a model runs, not which weights it has or what they compute:
+# every implementation, tile and kernel gives the same function of the same weights, and
+# dropout acts only while training. Weights load, a cache serves and a run resumes under any of
+# their values.
+INTERCHANGEABLE = frozenset({"attention", "block", "kernel", "dropout"})
 
 
 @dataclass
 class ModelConfig:
     """Sizes and the attention implementation; checked on construction.
 
-    ``n_kv_heads`` defaults to ``n_heads`` (MHA). ``block`` and ``kernel`` are used by
-    ``tiled`` only: ``kernel="pytorch"`` keeps CUDA tensors off the Triton kernel.
+    ``attention="auto"`` takes, per call, the faster of sdpa and tiled
+    (:func:`octlm.attention.route`). ``n_kv_heads`` defaults to ``n_heads`` (MHA). ``block`` and
+    ``kernel`` are tiled's (auto's too, for the calls it gives tiled): ``kernel="pytorch"``
+    keeps CUDA tensors off the Triton kernel.
     ``window > 0`` lets each position see itself and the ``window - 1`` before it. ``dropout``
-    applies to attention weights and residual branches while training; only naive and sdpa
-    have attention dropout.
+    applies to attention weights and residual branches while training; only naive, sdpa
+    and auto (through sdpa) have attention dropout. ``tied_head`` computes logits through the
+    embedding matrix (else the model has its own ``head``, as imported Llama models may);
+    ``mlp_width`` defaults to 8/3 of ``width`` (the parameters of a 4x MLP) rounded up to 8,
+    resolved on construction (so ``replace(config, width=w)`` keeps it unless given
+    ``mlp_width=None`` too); ``norm_eps`` is every RMSNorm's epsilon.
     """
 
     vocab_size: int = 256
@@ -56,12 +61,15 @@ class ModelConfig:
     n_heads: int = 8
     n_kv_heads: int | None = None
     max_length: int = 2048
-    attention: str = "sdpa"
+    attention: str = "auto"
     block: int | tuple[int, int] = DEFAULT_BLOCK
     kernel: str = "auto"
     window: int = 0
     dropout: float = 0.0
     rope_base: float = 10000.0
+    tied_head: bool = True
+    mlp_width: int | None = None
+    norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -70,6 +78,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.mlp_width is None:  # resolved, so that a config equals its explicit twin
+            self.mlp_width = 8 * -(-self.width // 3)
+        if not is_int_at_least(self.mlp_width, 1):
+            raise ValueError(f"mlp_width must be a positive int or None, got {self.mlp_width!r}")
         if self.width % self.n_heads:
             raise ValueError(f"width ({self.width}) must be a multiple of n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -97,28 +109,24 @@ class ModelConfig:
             )
         if not isinstance(self.rope_base, int | float) or not self.rope_base > 0:
             raise ValueError(f"rope_base must be a positive number, got {self.rope_base!r}")
+        if not isinstance(self.tied_head, bool):
+            raise ValueError(f"tied_head must be true or false, got {self.tied_head!r}")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+            raise ValueError(f"norm_eps must be a positive finite number, got {eps!r}")
 
     @property
     def head_size(self) -> int:
         return self.width // self.n_heads
 
-    @property
-    def mlp_width(self) -> int:
-        """SwiGLU hidden width: 8/3 of ``width`` (same parameters as a 4x MLP), rounded up to 8."""
-        return 8 * -(-self.width // 3)
-
-
-# How a model runs, not what it computes: weights and caches move freely between configs that
-# differ only in these.
-RUNTIME_FIELDS = ("attention", "block", "kernel", "dropout")
-
 
 def differing_fields(first: ModelConfig, second: ModelConfig) -> list[str]:
-    """``"name=a vs b"`` for every field other than the runtime ones in which the configs differ."""
+    """``"name=a vs b"`` for every field beyond the interchangeable ones in which the configs
+    differ."""
     return [
         f"{field.name}={getattr(first, field.name)!r} vs {getattr(second, field.name)!r}"
         for field in fields(ModelConfig)
-        if field.name not in RUNTIME_FIELDS
+        if field.name not in INTERCHANGEABLE
         and getattr(first, field.name) != getattr(second, field.name)
     ]
 
@@ -130,7 +138,9 @@ class KVCache:
     ``generate`` asks for the prompt plus the new tokens). Each layer holds a key and a value
     buffer ``(B, Hkv, S, D)`` with ``S = capacity``, or ``S = min(window, capacity)`` with a
     window: a ring in which position ``p`` lives in slot ``p % S``. ``length`` counts every
-    position seen, which is where the next token's RoPE position starts.
+    position seen, which is where the next token's RoPE position starts. ``keys[layer]`` and
+    ``values[layer]`` are views of the slots that hold positions, ``(B, Hkv, min(length, S),
+    D)``; the buffers' tail past them is uninitialised, so they stay private.
 
     The buffers are allocated at the first call, with that call's batch and the model's dtype
     and device. A call that differs in any of them, would pass ``capacity``, or comes from a
@@ -148,13 +158,23 @@ class KVCache:
         self.config = replace(config)  # a copy: the cache stays bound to what it was made for
         self.capacity = capacity
         self.size = capacity if config.window == 0 else min(config.window, capacity)
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
+        self._keys: list[Tensor] = []  # (B, Hkv, S, D) each
+        self._values: list[Tensor] = []
         self.batch: int | None = None
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         self.length = 0
         self.pending: list[tuple[int, Tensor, Tensor, Tensor]] = []  # ring writes not yet made
+
+    @property
+    def keys(self) -> list[Tensor]:
+        """Each layer's cached keys ``(B, Hkv, min(length, S), D)``, views in slot order."""
+        return [key[:, :, : min(self.length, self.size)] for key in self._keys]
+
+    @property
+    def values(self) -> list[Tensor]:
+        """Each layer's cached values, as :attr:`keys`."""
+        return [value[:, :, : min(self.length, self.size)] for value in self._values]
 
     def prepare(
         self, config: ModelConfig, tokens: Tensor, dtype: torch.dtype, device: torch.device
@@ -175,7 +195,7 @@ class KVCache:
                 f"{self.length} cached + {length} new positions exceed the cache's capacity "
                 f"of {self.capacity}"
             )
-        if self.keys:
+        if self._keys:
             if batch != self.batch:
                 raise ValueError(f"cache holds batch {self.batch} but tokens have batch {batch}")
             if (dtype, device) != (self.dtype, self.device):
@@ -185,8 +205,9 @@ class KVCache:
                 )
             return
         shape = (batch, config.n_kv_heads, self.size, config.head_size)  # (B, Hkv, S, D)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.values = [torch.empty_like(key) for key in self.keys]
+        layers = range(config.n_layers)
+        self._keys = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
+        self._values = [torch.empty_like(key) for key in self._keys]
         self.batch, self.dtype, self.device = batch, dtype, device
 
     def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -194,7 +215,7 @@ class KVCache:
         and values the chunk attends to, ``(B, Hkv, K, D)``, laid out so that the bottom-right
         causal and window rules over them hold."""
         past, length = self.length, key.shape[2]
-        keys, values = self.keys[layer], self.values[layer]
+        keys, values = self._keys[layer], self._values[layer]
         if past + length <= self.size:  # no slot reused yet: slot = position
             keys[:, :, past : past + length] = key
             values[:, :, past : past + length] = value
@@ -218,12 +239,13 @@ class KVCache:
         return key, value
 
     def advance(self, length: int) -> None:
-        """Close a call of ``length`` positions that ran through every layer: make its deferred
-        ring writes and count its positions. A call that fails part-way never gets here, so
-        the cache keeps what it held before (slots past ``length`` may hold its keys, unread)."""
+        """Close a call of ``length`` positions that has produced its logits: make its deferred
+        ring writes and count its positions. A call that fails before then never gets here, so
+        the cache keeps what it held before: its keys may lie in slots no later call reads
+        (past ``length``, or a full ring's slot of the position that left the window)."""
         for layer, slots, key, value in self.pending:
-            self.keys[layer].index_copy_(2, slots, key)
-            self.values[layer].index_copy_(2, slots, value)
+            self._keys[layer].index_copy_(2, slots, key)
+            self._values[layer].index_copy_(2, slots, value)
         self.pending.clear()
         self.length += length
 
@@ -318,9 +340,9 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.attention_norm = nn.RMSNorm(config.width, eps=config.norm_eps)
         self.attention = Attention(config, layer)
-        self.mlp_norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.mlp_norm = nn.RMSNorm(config.width, eps=config.norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, *context) -> Tensor:
@@ -335,7 +357,7 @@ class OctLM(nn.Module):
 
     The LM head is the token embedding matrix (tied, as in GPT-2): fewer parameters, and at
     this size tying trains no worse. Logits are ``x @ embedding.T``, so the state dict holds
-    the matrix once.
+    the matrix once. With ``tied_head=False`` they go through a matrix of their own, ``head``.
     """
 
     def __init__(self, config: ModelConfig):
@@ -344,7 +366,9 @@ class OctLM(nn.Module):
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.width)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.width, eps=1e-6)
+        self.norm = nn.RMSNorm(config.width, eps=config.norm_eps)
+        if not config.tied_head:
+            self.head = nn.Linear(config.width, config.vocab_size, bias=False)
         cos, sin = rope_tables(config)
         self.register_buffer("cos", cos, persistent=False)  # (max_length, D)
         self.register_buffer("sin", sin, persistent=False)  # (max_length, D)
@@ -370,29 +394,9 @@ class OctLM(nn.Module):
             )
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the weights, the config and a checksum to ``path``.
-
-        Atomic: the file is written beside ``path`` under another name, fsynced and renamed,
-        so a crash leaves the old file or the new one, never a torn one.
-        """
-        path = Path(path)
-        state = self.state_dict()
-        contents = {"format": FILE_FORMAT, "sha256": checksum(state), "state_dict": state}
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(descriptor, "wb") as out:
-                torch.save(contents, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself survives a crash
-        finally:
-            os.close(directory)
+        """Write the weights, the config and a checksum to ``path``, atomically: a crash
+        leaves the old file or the new one (:func:`octlm.files.write_model`)."""
+        write_model(path, self.state_dict())
 
     @classmethod
     def load(
@@ -407,23 +411,35 @@ class OctLM(nn.Module):
         unknown = sorted(set(changes) - {field.name for field in fields(ModelConfig)})
         if unknown:
             raise TypeError(f"OctLM.load got fields that ModelConfig does not have: {unknown}")
-        try:
-            contents = torch.load(path, map_location=map_location, weights_only=True)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
-            raise  # the file is missing or unreadable, not damaged
-        except Exception as error:  # torch reports a damaged file in many ways, OSError among them
-            raise ValueError(
-                f"cannot read an octlm model from {str(path)!r} (torn or corrupted file?): "
-                f"{type(error).__name__}: {str(error)[:200]}"
-            ) from error
-        if not isinstance(contents, dict) or contents.get("format") != FILE_FORMAT:
-            raise ValueError(f"{str(path)!r} is not an octlm model file written by OctLM.save")
-        state = contents.get("state_dict")
-        if not isinstance(state, dict) or checksum(state) != contents.get("sha256"):
-            raise ValueError(f"{str(path)!r} is corrupted: its checksum does not match")
+        state = read_model(path, map_location)
         model = cls(replace(saved_config(state.get("_extra_state")), **changes))
         model.to(state["embedding.weight"].dtype)  # the dtype it was saved in, not the default
         model.load_state_dict(state)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, **changes) -> OctLM:
+        """The model of a local transformers folder of the Llama family (``LlamaForCausalLM``,
+        ``MistralForCausalLM``), in the dtype of its weights.
+
+        ``changes`` may set how it runs (``attention``, ``block``, ``kernel``, ``dropout``).
+        What octlm cannot compute exactly (biases, another activation or head size, RoPE
+        scaling) is a ``ValueError`` naming the field; docs/transformers.md says what maps to
+        what.
+        """
+        from octlm.integrations import llama_format  # safetensors, only when it is needed
+
+        unknown = sorted(set(changes) - INTERCHANGEABLE)
+        if unknown:
+            raise TypeError(
+                f"OctLM.from_pretrained takes the model's config from the folder and may change "
+                f"only {sorted(INTERCHANGEABLE)}, got {unknown}"
+            )
+        config = ModelConfig(**llama_format.read_config(folder), **changes)
+        state = llama_format.read_weights(folder, config)
+        model = cls(config)
+        model.to(state["embedding.weight"].dtype)
+        model.load_state_dict({**state, "_extra_state": model.get_extra_state()})
         return model
 
     @staticmethod
@@ -465,9 +481,11 @@ class OctLM(nn.Module):
         x = self.embedding(tokens)  # (B, T, C)
         for block in self.blocks:
             x = block(x, rope, cache, document_ids)  # (B, T, C)
-        if cache is not None:
+        head = self.embedding if self.config.tied_head else self.head
+        logits = F.linear(self.norm(x), head.weight)  # (B, T, V)
+        if cache is not None:  # only a call that produced its logits is counted
             cache.advance(tokens.shape[1])
-        return F.linear(self.norm(x), self.embedding.weight)  # (B, T, V)
+        return logits
 
     def _check_documents(
         self,
@@ -591,9 +609,6 @@ class OctLM(nn.Module):
         return torch.cat(tokens, dim=1)
 
 
-FILE_FORMAT = "octlm.OctLM/1"
-
-
 def document_positions(document_ids: Tensor) -> Tensor:
     """Each token's RoPE position ``(B, T)``: how many tokens of its document precede it.
 
@@ -620,38 +635,6 @@ def saved_config(state: object) -> ModelConfig:
         return ModelConfig(**state["config"])
     except TypeError as error:
         raise ValueError(f"the saved model config is not one this octlm reads: {error}") from error
-
-
-def checksum(state: dict, *, nested: bool = False) -> str:
-    """SHA-256 over every entry of a state dict: names, dtypes, shapes and bytes; any other
-    value by its ``repr``. With ``nested``, dicts, lists and tuples are walked into (a training
-    checkpoint's optimizer state), since a ``repr`` shows a large tensor only in part. Model
-    files use the flat digest they were always saved with."""
-    digest = hashlib.sha256()
-    _digest_entries(digest, state, nested)
-    return digest.hexdigest()
-
-
-def _digest_entries(digest, state: dict, nested: bool) -> None:
-    for name in sorted(state, key=str):
-        digest.update(str(name).encode())
-        _digest_value(digest, state[name], nested)
-
-
-def _digest_value(digest, value, nested: bool) -> None:
-    if isinstance(value, Tensor):
-        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        flat = value.detach().cpu().contiguous().view(-1).view(torch.uint8)  # raw bytes
-        digest.update(flat.numpy())
-    elif nested and isinstance(value, dict):
-        digest.update(f"{{{len(value)}".encode())
-        _digest_entries(digest, value, nested)
-    elif nested and isinstance(value, list | tuple):
-        digest.update(f"[{len(value)}".encode())
-        for item in value:
-            _digest_value(digest, item, nested)
-    else:
-        digest.update(repr(value).encode())
 
 
 def sample(

@@ -3,6 +3,7 @@
 - :func:`naive_attention`: the reference; the whole score matrix.
 - :func:`sdpa_attention`: PyTorch's fused ``scaled_dot_product_attention``.
 - :func:`tiled_attention`: FlashAttention's blocking in plain PyTorch, with its own backward.
+- :func:`auto_attention`: per call, sdpa or tiled, as :func:`route` picks from its structure.
 - :func:`ring_attention`: the tiled blocks over a sequence sharded across processes.
 
 ``IMPLEMENTATIONS`` maps each name to its function and what it supports; look them up there.
@@ -21,6 +22,7 @@ lengths, ``D`` head size. Grouped-query attention shares each key/value head amo
     k k k k            k    k               k
 """
 
+from octlm.attention.auto import auto_attention, route
 from octlm.attention.block_masks import BlockMask, block_mask
 from octlm.attention.masks import attention_mask
 from octlm.attention.naive import naive_attention
@@ -34,10 +36,12 @@ __all__ = [
     "BlockMask",
     "Implementation",
     "attention_mask",
+    "auto_attention",
     "block_mask",
     "implementation",
     "naive_attention",
     "ring_attention",
+    "route",
     "sdpa_attention",
     "tiled_attention",
 ]

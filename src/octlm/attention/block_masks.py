@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from octlm.attention.tiles import DEFAULT_BLOCK, parse_block
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 STATES = {"skipped": EMPTY, "masked": PARTIAL, "unmasked": FULL}  # what tiled does per pair
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -161,7 +163,7 @@ def block_mask(
     heads: int,
     q_len: int,
     k_len: int,
-    block: int | tuple[int, int] = (512, 256),
+    block: int | tuple[int, int] = DEFAULT_BLOCK,
     device=None,
 ) -> BlockMask:
     """Evaluate ``mask_mod`` once into a :class:`BlockMask` with tiles of ``block``.
@@ -171,8 +173,6 @@ def block_mask(
     element, one query block at a time over the key blocks that need it, so memory stays at
     ``block_q x k_len`` per batch element and head that the predicate depends on.
     """
-    from octlm.attention.blocks import parse_block
-
     block_q, block_k = parse_block(block)
     for name, number in (("batch", batch), ("heads", heads), ("q_len", q_len), ("k_len", k_len)):
         if isinstance(number, bool) or not isinstance(number, int) or number < 0:

@@ -40,20 +40,17 @@ from octlm.attention.masks import (
     padding_mask,
 )
 from octlm.attention.threads import parallel_map, workers
+from octlm.attention.tiles import DEFAULT_BLOCK
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
 # The most one block's weights may sum to (relative to the row's shift) before the shift
 # moves up to that block's maximum and the block is recomputed.
 CEILING = 2.0**16
-# Rows and keys per tile. Tuned on a 2-core CPU at 8,192 tokens, 8 heads of 32: smaller tiles
-# pay Python overhead per block, larger ones fall out of cache.
-DEFAULT_BLOCK = (512, 256)
 # Query blocks per CPU thread, when there are enough rows: blocks are cut smaller to make them,
-# down to THREAD_ROWS rows (smaller tiles cost more in Python than they save). Measured beside
-# one CPU-bound process at 8,192 tokens, 16 blocks for 2 threads made tiled's forward 1.9x
-# slower, 32 blocks 1.6x (SDPA FLASH: 1.5x); at 2,048 tokens 64-row blocks were 1.4x slower
-# than 256-row ones on an idle machine.
+# down to THREAD_ROWS rows. Many blocks per thread let a thread that lost its core leave its
+# share to the others; blocks below THREAD_ROWS rows cost more in Python than they save
+# (docs/benchmarks.md, threads and tiles).
 THREAD_SHARES = 16
 THREAD_ROWS = 128
 # Score offsets (float mask values, sinks) from which scores are kept in natural units.
@@ -63,18 +60,6 @@ FUSED_SHIFT_ROWS = 64
 # The largest shift (in score units) the backward lets ride in the matmul: inside it, the
 # shift's rounding joins the sum of products; past it, scores are formed first, as naive does.
 FUSED_SHIFT_LIMIT = 64.0
-
-
-def parse_block(block: int | tuple[int, int]) -> tuple[int, int]:
-    """``block`` as ``(block_q, block_k)``; an int sets both."""
-    pair = (block, block) if isinstance(block, int) and not isinstance(block, bool) else block
-    if (
-        not isinstance(pair, tuple | list)
-        or len(pair) != 2
-        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in pair)
-    ):
-        raise ValueError(f"block must be an int >= 1 or a pair (block_q, block_k), got {block!r}")
-    return int(pair[0]), int(pair[1])
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,6 +112,12 @@ class RowStats:
     total: Tensor
     units: Units
     careful: bool = False  # the forward met a non-finite input: hide by masked fills
+    # The tiles, by (first row, first key), whose scores the forward formed whole and then
+    # shifted (a rebase), and whether its operands carried the shift column: the backward
+    # forms those tiles again from operands laid out the same way, so their probabilities are
+    # the forward's bit for bit (a row whose only score is its shift gets exactly 1).
+    rebased: frozenset[tuple[int, int]] = frozenset()
+    shift_column: bool = False
 
     def lse(self) -> Tensor:
         """Natural log-sum-exp; ``-inf`` for rows that see no key."""
@@ -196,6 +187,7 @@ class BlockWalk:
         elif self.q_len < self.block_q:
             self.block_k = self.block_k * self.block_q // max(self.q_len, 1)
         self.keys = keys
+        self.rebased: set[tuple[int, int]] = set()  # see RowStats.rebased
         self._local = threading.local()  # query blocks may run on several threads at once
         self._edges: dict[tuple[int, int, int], Tensor] = {}
         self._distances: dict[tuple[int, int, int], Tensor] = {}
@@ -333,14 +325,23 @@ class BlockWalk:
         return self._distances[key]
 
     def scores(
-        self, q_block: Tensor, rows: range, columns: range, transposed: bool = False
+        self,
+        q_block: Tensor,
+        rows: range,
+        columns: range,
+        transposed: bool = False,
+        keys: Tensor | None = None,
     ) -> Tensor:
         """``q_block @ key_blockᵀ`` plus the float mask, hidden places at -inf.
 
         ``(B*Hkv, R*G, C)``, or ``(B*Hkv, C, R*G)`` when ``transposed``: the backward wants the
         keys first, because a transposed first operand takes a slow matmul path on CPU.
+        ``keys`` replaces the walk's own, laid out alike; they are cut to the query block's
+        width, so a block without its extra column gives the scores themselves.
         """
-        k_block = _as_3d(self.keys[:, :, columns.start : columns.stop])  # (B*Hkv, C, D [+ 1])
+        keys = self.keys if keys is None else keys
+        width = q_block.shape[-1]
+        k_block = _as_3d(keys[:, :, columns.start : columns.stop, :width])  # (B*Hkv, C, ·)
         q_block = _as_3d(q_block)  # (B*Hkv, R*G, D [+ 1])
         size = (self.batch * self.kv_heads, q_block.shape[1], k_block.shape[1])
         if transposed:
@@ -531,9 +532,9 @@ class OnlineSoftmax:
         others only move up, and what they summed is rescaled by ``exp(old - new) <= 1``.
         Every weight of the block is then at most 1, so its sum cannot pass ``CEILING``.
         """
-        if self.fused:
-            self.q_block[..., -1:] = 0.0
-        scores = self.walk.scores(self.q_block, self.rows, columns)  # (B*Hkv, R, C), absolute
+        plain = self.q_block[..., :-1] if self.fused else self.q_block  # no shift column
+        scores = self.walk.scores(plain, self.rows, columns)  # (B*Hkv, R, C), absolute
+        self.walk.rebased.add((self.rows.start, columns.start))
         shift = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
         summed = self.running_sum is not None
         if summed:
@@ -755,7 +756,9 @@ def _forward_pass(
                 whole[:, :, rows.start : rows.stop] = part
 
         parallel_map(write, blocks, query.device)
-    rows = RowStats(unfold_heads(shift), unfold_heads(total), units, careful)
+    rows = RowStats(
+        unfold_heads(shift), unfold_heads(total), units, careful, frozenset(walk.rebased), fused
+    )
     return unfold_heads(out), rows
 
 
@@ -786,7 +789,9 @@ def _one_row_each(query, key, value, scale: float, units: Units) -> tuple[Tensor
     units.exp_(weights.sub_(shift))
     total = weights.sum(dim=-1, keepdim=True)  # (B*Hkv, G, 1)
     out = torch.bmm(weights, _as_3d(_blockwise(value.to(dtype)))).div_(total)  # (B*Hkv, G, D)
-    stats = RowStats(shift.view(batch, heads, 1), total.view(batch, heads, 1), units)
+    # Formed whole and shifted, as the loop's first (and widest) block, from plain operands.
+    shift, total = shift.view(batch, heads, 1), total.view(batch, heads, 1)
+    stats = RowStats(shift, total, units, rebased=frozenset({(0, 0)}), shift_column=False)
     return out.view(batch, heads, 1, head_size), stats
 
 
@@ -875,6 +880,13 @@ def attend_backward(
     grad_folded = _fold(grad_out, kv_heads, 1.0, dtype, None) * inverse  # (B, Hkv, Q, G, D)
     delta = _fold_rows(delta, kv_heads, dtype) * inverse  # (B, Hkv, Q, G, 1)
     value = _blockwise(value.to(dtype))  # (B, Hkv, K, D)
+    # The forward's rebased tiles are formed again from operands laid out as its own were (with
+    # or without the shift column), so that their scores are its scores to the last bit.
+    whole_queries, whole_keys = folded, keys
+    if lse.rebased and lse.shift_column != fused:
+        column = 0.0 if lse.shift_column else None
+        whole_queries = _fold(query, kv_heads, scale * units.unit, dtype, column)
+        whole_keys = _keys(key, dtype, None if column is None else 1.0)
     walk = BlockWalk(
         folded, keys, past, causal, window, _fold_mask(mask, heads, kv_heads), block, units,
         key_lengths, lse.careful, key_starts, documents, softcap,
@@ -913,7 +925,7 @@ def attend_backward(
                 row_spread = spread.new_zeros(walk.batch, kv_heads, len(rows), walk.group)
             q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
             q_plain = _as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
-            shift_row = None if fused else _as_3d(walk.rows(shift, rows)).transpose(1, 2)
+            shift_row = _as_3d(walk.rows(shift, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
             do_block = _as_3d(walk.rows(grad_folded, rows))  # (B*Hkv, R, D)
             delta_row = _as_3d(walk.rows(delta, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
             dq_t = q_plain.new_zeros(q_plain.shape[0], head_size, len(rows) * walk.group)
@@ -922,9 +934,18 @@ def attend_backward(
                 keys_here = slice(columns.start, columns.stop)
                 mine = slice(columns.start - seen.start, columns.stop - seen.start)  # in the buffer
                 products = walk.tile("products", value.shape[0], len(columns), head_size)
-                probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (B*Hkv, C, R)
-                if shift_row is not None:
-                    probs_t.sub_(shift_row)
+                size_t = (value.shape[0], len(columns), len(rows) * walk.group)
+                rebased = (rows.start, columns.start) in lse.rebased
+                if rebased:  # as the forward formed it: whole scores, then minus the shift
+                    whole = walk.rows(whole_queries, rows)[..., :head_size]
+                    scores = walk.scores(whole, rows, columns, keys=whole_keys)  # (…, R, C)
+                    probs_t = torch.sub(
+                        scores.transpose(1, 2), shift_row, out=walk.tile("scores_t", *size_t)
+                    )  # (B*Hkv, C, R)
+                else:
+                    probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (…, C, R)
+                    if not fused:
+                        probs_t.sub_(shift_row)
                 units.exp_(probs_t)  # exp(score - shift): probabilities times total
                 grad_value[:, mine] += torch.bmm(probs_t, do_block, out=products)
                 grad_scores_t = torch.bmm(
@@ -948,7 +969,8 @@ def attend_backward(
                     weights = walk.unfold_tile(probs_t, rows, columns, transposed=True)
                     row_spread += _row_sums(weights, far)
                 if softcap is not None:  # through the cap: d tanh = 1 - tanh²
-                    grad_scores_t.mul_(walk.tanh.square_().neg_().add_(1.0))
+                    tanh = walk.tanh.transpose(1, 2) if rebased else walk.tanh  # (…, C, R)
+                    grad_scores_t.mul_(tanh.square_().neg_().add_(1.0))
                 grad_key[:, mine] += torch.bmm(grad_scores_t, q_plain, out=products)
                 dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
             grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(

@@ -102,7 +102,7 @@ def attention_function(
             if len(args) == 3 and taken.issuperset(kwargs):  # the usual call, bound cheaply
                 given = {"query": args[0], "key": args[1], "value": args[2], **kwargs}
             else:
-                given = _bind(core.__name__, signature, args, kwargs)
+                given = _bind(core.__name__, signature, args, kwargs, [p.name for p in extra])
             own = {p.name: given.pop(p.name) for p in extra if p.name in given}
             call = Call(**given)
             return core(check(call, dropout=dropout) if checked else call, **own)
@@ -114,8 +114,21 @@ def attention_function(
     return decorate
 
 
-def _bind(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
-    """The arguments of a call of ``name``, or a ``TypeError`` that names what is wrong."""
+def _bind(name: str, signature: inspect.Signature, args: tuple, kwargs: dict, own: list) -> dict:
+    """The arguments of a call of ``name``, or a ``TypeError`` that names what is wrong.
+
+    ``own`` lists the implementation's own keywords (tiled's ``block`` first): a fourth
+    positional argument is most likely the first of them, so the error shows that keyword call.
+    """
+    if len(args) > len(TENSORS):
+        meant = (own or [p for p in signature.parameters if p not in TENSORS])[0]
+        given = args[len(TENSORS)]
+        shown = repr(given) if isinstance(given, int | float | tuple | str) else "..."
+        raise TypeError(
+            f"{name}() takes only query, key and value by position, got {len(args)} positional "
+            f"arguments; {meant} and every other argument are keyword-only: call "
+            f"{name}(query, key, value, {meant}={shown})"
+        )
     unknown = [keyword for keyword in kwargs if keyword not in signature.parameters]
     if unknown:
         raise TypeError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from octlm.attention.auto import auto_attention
 from octlm.attention.inputs import FEATURES
 from octlm.attention.naive import naive_attention
 from octlm.attention.ring import ring_attention
@@ -34,6 +35,9 @@ class Implementation:
     distributed: bool = False  # a collective over a process group: no mask or key_lengths
     features: tuple[str, ...] = ()  # keywords beyond the shared signature that change the result
 
+
+# What tiled, and auto through it, takes: the block engine's tiles and kernel, every feature.
+BLOCKS = dict(mask_grad=True, tuning=("block", "kernel"), features=FEATURES)
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
@@ -59,9 +63,14 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
             tiled_attention,
             "FlashAttention's blocking in PyTorch, O(Q+K) memory",
             dropout=False,
-            mask_grad=True,
-            tuning=("block", "kernel"),
-            features=FEATURES,
+            **BLOCKS,
+        ),
+        Implementation(
+            "auto",
+            auto_attention,
+            "per call, sdpa or tiled, whichever is faster for its structure (route)",
+            dropout=True,
+            **BLOCKS,
         ),
         Implementation(
             "ring",

@@ -7,14 +7,8 @@ the shard it holds with the tiled block functions, and folds the partial ``(out,
 its running result with :func:`~octlm.attention.blocks.merge`, which is exact. After ``W``
 steps every query has seen every key, and no rank ever held more than two key/value shards.
 
-Layouts (how the sequence is cut among ranks), pictured for ``W = 2``::
-
-    plain   | rank 0 | rank 1 |            rank r holds chunk r of W
-    zigzag  | 0 | 1 | 1 | 0 |             rank r holds chunks r and 2W - 1 - r of 2W
-
-Under causal attention, ``plain`` leaves rank 0 idle for most steps (its queries see only its
-own keys) while the last rank sees everything; ``zigzag`` pairs an early chunk with a late one,
-so every rank does the same work at every step. Chunk pairs that causality (or the window)
+The sequence is cut among ranks by a layout (:mod:`octlm.context_parallel`: ``zigzag`` keeps
+every rank equally busy under causal attention). Chunk pairs that causality (or the window)
 hides entirely are skipped; the ring pass happens regardless, so no rank waits on a peer.
 
 Backward (FlashAttention-2 style, as :mod:`octlm.attention.tiled`): each rank keeps its own
@@ -43,199 +37,38 @@ with torch 2.13), so no reinterpretation is needed; gradients travel in float32 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from octlm.attention.blocks import (
-    DEFAULT_BLOCK,
     Rules,
     accumulation_dtype,
     attend_backward,
     attend_forward,
     merge,
-    parse_block,
     slope_gradient,
 )
 from octlm.attention.inputs import COMMON, Call, attention_function, check
 from octlm.attention.masks import key_range
+from octlm.attention.tiles import DEFAULT_BLOCK, parse_block
+from octlm.context_parallel import (
+    DEFAULT_LAYOUT,
+    Piece,
+    agree,
+    check_layout,
+    check_shard,
+    shard_pieces,
+)
 
 # The call keywords ring_attention takes: the common ones, and these structure and score ones.
 RING_KEYWORDS = (*COMMON, "document_ids", "softcap", "alibi_slopes", "sinks")
 
-LAYOUTS = ("zigzag", "plain")
-DEFAULT_LAYOUT = "zigzag"
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A run of consecutive positions inside one rank's shard."""
-
-    local: int  # where it starts in the shard
-    start: int  # the global position of its first token
-    length: int
-
-    @property
-    def span(self) -> slice:
-        """Its place in the shard, for indexing the sequence dimension."""
-        return slice(self.local, self.local + self.length)
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
-def _chunks(world: int, layout: str) -> int:
-    """How many equal chunks the layout cuts the sequence into."""
-    return 2 * world if layout == "zigzag" else world
-
-
-def _check_split(length: int, world: int, layout: str) -> None:
-    chunks = _chunks(world, layout)
-    if length % chunks:
-        raise ValueError(
-            f"sequence length {length} cannot be split by layout {layout!r} over {world} ranks: "
-            f"it must be a multiple of {chunks}"
-        )
-
-
-def _check_shard(local_len: int, layout: str) -> None:
-    if layout == "zigzag" and local_len % 2:
-        raise ValueError(
-            f"a zigzag shard holds two equal chunks, so its length must be even, got {local_len}"
-        )
-
-
-def _pieces(rank: int, world: int, layout: str, local_len: int) -> list[Piece]:
-    """The pieces of rank ``rank``'s shard of ``local_len`` positions, in shard order."""
-    if layout == "plain":
-        return [Piece(0, rank * local_len, local_len)]
-    chunk = local_len // 2
-    return [Piece(0, rank * chunk, chunk), Piece(chunk, (2 * world - 1 - rank) * chunk, chunk)]
-
-
-def shard_positions(length: int, rank: int, world: int, layout: str = DEFAULT_LAYOUT) -> Tensor:
-    """The global positions rank ``rank`` holds of a ``length``-token sequence, int64 (length/W,).
-
-    Pass them to the model as ``positions`` so rotary embeddings see where each token really is.
-    """
-    _check_layout(layout)
-    _check_split(length, world, layout)
-    pieces = _pieces(rank, world, layout, length // world)
-    return torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces])
-
-
-def shard_sequence(
-    x: Tensor, rank: int, world: int, layout: str = DEFAULT_LAYOUT, dim: int = 2
-) -> Tensor:
-    """Rank ``rank``'s shard of the full sequence ``x`` along ``dim`` (2 for (B, H, T, D))."""
-    _check_layout(layout)
-    length = x.shape[dim]
-    _check_split(length, world, layout)
-    pieces = _pieces(rank, world, layout, length // world)
-    return torch.cat([x.narrow(dim, p.start, p.length) for p in pieces], dim=dim)
-
-
-def gather_sequence(
-    local: Tensor,
-    group: dist.ProcessGroup | None = None,
-    layout: str = DEFAULT_LAYOUT,
-    dim: int = 2,
-) -> Tensor:
-    """The full sequence from every rank's shard along ``dim``; the inverse of shard_sequence.
-
-    A collective: every rank of ``group`` calls it and gets the whole tensor. Not
-    differentiable (``dist.all_gather`` is not).
-    """
-    try:
-        _check_layout(layout)
-        _check_shard(local.shape[dim], layout)
-        problem = None
-    except ValueError as error:
-        problem = error
-    description = {"shape": tuple(local.shape), "dtype": local.dtype, "layout": layout, "dim": dim}
-    group, _rank, world = _agree(group, "gather_sequence", description, problem)
-    local = local.contiguous()
-    shards = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(shards, local, group=group)
-    local_len = local.shape[dim]
-    full = local.new_empty(*local.shape[:dim], world * local_len, *local.shape[dim + 1 :])
-    for owner, shard in enumerate(shards):
-        for piece in _pieces(owner, world, layout, local_len):
-            full.narrow(dim, piece.start, piece.length).copy_(
-                shard.narrow(dim, piece.local, piece.length)
-            )
-    return full
-
-
-def process_group(
-    group: dist.ProcessGroup | None = None,
-) -> tuple[dist.ProcessGroup, int, int]:
-    """``(group, rank, world size)`` of ``group``, the default group when None.
-
-    Raises RuntimeError when no process group has been initialised.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "ring attention and context parallelism need an initialised torch.distributed "
-            "process group: call torch.distributed.init_process_group first (under torchrun, "
-            "init_process_group('gloo') on CPU or 'nccl' on CUDA)"
-        )
-    group = dist.group.WORLD if group is None else group
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-def _agree(
-    group: dist.ProcessGroup | None, call: str, description: dict, problem: Exception | None
-) -> tuple[dist.ProcessGroup, int, int]:
-    """``process_group(group)`` once every rank has made the same, valid ``call``.
-
-    A collective, before the first exchange: the ranks swap ``description`` (what each was
-    given) and the error, if any, that its own checks raised. Unless every rank's checks passed
-    and every description matches, every rank raises the same ``ValueError`` naming what
-    differs and where, so no rank returns garbage computed under other rules than its peers'
-    and none waits on a send that never comes.
-    """
-    if problem is not None and not (dist.is_available() and dist.is_initialized()):
-        raise problem  # no peers to tell
-    group, rank, world = process_group(group)
-    error = None if problem is None else f"{type(problem).__name__}: {problem}"
-    every: list = [None] * world
-    dist.all_gather_object(every, {"call": description, "error": error}, group=group)
-    if any(other["error"] for other in every):
-        raise ValueError(
-            f"{call} refused on every rank because a rank's own checks failed: "
-            + _by_rank([other["error"] or "passed its own checks" for other in every])
-        ) from problem
-    differing = [
-        f"{name} ({_by_rank([other['call'][name] for other in every])})"
-        for name in description
-        if any(other["call"][name] != every[0]["call"][name] for other in every)
-    ]
-    if differing:
-        raise ValueError(
-            f"every rank must make the same {call} call, but they differ in " + ", ".join(differing)
-        )
-    return group, rank, world
-
-
-def _by_rank(values: list) -> str:
-    """``"rank 0: a; ranks 1, 2: b"``: each distinct value once, with the ranks that hold it."""
-    ranks: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        ranks.setdefault(str(value), []).append(rank)
-    return "; ".join(
-        f"rank{'s' * (len(held) > 1)} {', '.join(map(str, held))}: {value}"
-        for value, held in ranks.items()
-    )
-
 
 def _check_call(call: Call, layout: str) -> Call:
     """This rank's own checks of a ring_attention call; the call, checked."""
-    _check_layout(layout)
+    check_layout(layout)
     for name in ("mask", "key_lengths"):
         if getattr(call, name) is not None:
             raise ValueError(f"ring_attention takes no {name}; shard only causal/window rules")
@@ -245,7 +78,7 @@ def _check_call(call: Call, layout: str) -> Call:
             "each rank must hold query, key and value for the same positions, got q_len "
             f"{call.q_len} and k_len {call.k_len}"
         )
-    _check_shard(call.q_len, layout)
+    check_shard(call.q_len, layout)
     return call
 
 
@@ -263,7 +96,7 @@ class _Ring:
         self.previous = dist.get_global_rank(group, (rank - 1) % world)
 
     def pieces(self, owner: int, local_len: int) -> list[Piece]:
-        return _pieces(owner, self.world, self.layout, local_len)
+        return shard_pieces(owner, self.world, self.layout, local_len)
 
     def send_on(self, *tensors: Tensor) -> Callable[[], tuple[Tensor, ...]]:
         """Start passing contiguous ``tensors`` one step round; call the result to wait for them.
@@ -456,7 +289,8 @@ def ring_attention(
 
     Args:
         query: ``(batch, heads, L, head_size)``, this rank's ``L`` positions of the sequence
-            in ``layout`` (see :func:`shard_sequence`); the whole sequence is ``W * L`` long.
+            in ``layout`` (see :func:`~octlm.context_parallel.shard_sequence`); the whole
+            sequence is ``W * L`` long.
         key, value: ``(batch, kv_heads, L, head_size)`` for the same positions; GQA as in
             :func:`~octlm.attention.tiled_attention`.
         group: the process group; the default group when None.
@@ -482,7 +316,7 @@ def ring_attention(
     Returns:
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
-    try:  # checked here, not before: every rank must reach _agree, even one whose call is bad
+    try:  # checked here, not before: every rank must reach agree, even one whose call is bad
         call, block, problem = _check_call(call, layout), parse_block(block), None
     except (TypeError, ValueError) as error:
         problem = error
@@ -497,7 +331,7 @@ def ring_attention(
         "softcap": call.softcap, "alibi_slopes": _shape(call.alibi_slopes),
         "sinks": _shape(call.sinks),
     }  # fmt: skip
-    group, rank, world = _agree(group, "ring_attention", description, problem)
+    group, rank, world = agree(group, "ring_attention", description, problem)
     options = dict(
         causal=call.causal, window=call.window, scale=call.scale, block=block,
         softcap=call.softcap,

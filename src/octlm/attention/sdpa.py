@@ -33,7 +33,8 @@ def sdpa_attention(call: Call) -> Tensor:
     """
     query, key, value = call.query, call.key, call.value
     padded = call.key_lengths is not None or call.key_starts is not None
-    structured = call.mask is not None or padded or call.window > 0
+    # A window as wide as the keys hides nothing: it needs no mask.
+    structured = call.mask is not None or padded or 0 < call.window < call.k_len
     structured = structured or call.document_ids is not None or call.block_mask is not None
     modified = call.softcap is not None or call.alibi_slopes is not None or call.sinks is not None
     # Bottom-right causal hides nothing from a single row (decoding): it is not causal then.

@@ -2,9 +2,9 @@
 
 Every PyTorch CPU op is one OpenMP parallel region that ends at a barrier, and the block loop
 issues hundreds of small ops per call. On an idle machine that costs a little; on a busy one a
-thread that loses its core holds every barrier until the scheduler gives it back, and tiled
-attention ran 4 to 6 times slower beside one other CPU-bound process, where SDPA's fused kernel
-(one parallel region) ran 2 times slower. Here the work is split instead: independent query
+thread that loses its core holds every barrier until the scheduler gives it back, so a loop of
+small ops slows far more beside a competing process than one fused kernel does (one parallel
+region; docs/benchmarks.md, contention). Here the work is split instead: independent query
 blocks are handed out one at a time to ``torch.get_num_threads()`` Python threads that run
 their ops on one core each (PyTorch releases the GIL inside an op), so there is no barrier
 between ops and a thread that is slowed simply takes fewer blocks.

@@ -1,11 +1,11 @@
 """Tiled attention: the block engine of :mod:`octlm.attention.blocks` behind autograd.
 
-FlashAttention's blocking in plain PyTorch, the Day 2 note's sketch grown up: exact attention
-with O(T) memory on any device PyTorch runs on, differentiable through its own recomputing
-backward (FlashAttention-2). The forward saves only query, key, value, output and two numbers
-per query row (the shift and the sum of the online softmax, from which the log-sum-exp
-follows), plus the caller's own mask, key bounds or document ids; the backward recomputes each
-block's probabilities from them. For CUDA tensors ``kernel="auto"`` takes the Triton kernel instead.
+FlashAttention's blocking in plain PyTorch: exact attention with O(T) memory on any device PyTorch
+runs on, differentiable through its own recomputing backward (FlashAttention-2). The forward saves
+only query, key, value, output and two numbers per query row (the shift and the sum of the online
+softmax, from which the log-sum-exp follows), plus the caller's own mask, key bounds or document
+ids; the backward recomputes each block's probabilities from them. For CUDA tensors
+``kernel="auto"`` takes the Triton kernel instead.
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ import torch
 from torch import Tensor
 
 from octlm.attention.blocks import (
-    DEFAULT_BLOCK,
     RowStats,
     Rules,
     attend_backward,
     delta_error,
     forward_rows,
-    parse_block,
     sink_gradient,
     sink_share,
     slope_gradient,
     unfold_heads,
 )
 from octlm.attention.inputs import Call, attention_function
+from octlm.attention.tiles import DEFAULT_BLOCK, KERNELS, parse_block
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -45,6 +44,7 @@ class _TiledAttention(torch.autograd.Function):
         out, rows = _forward(query, key, value, tensors, rules)
         ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, *tensors)
         ctx.rules, ctx.units, ctx.careful = rules, rows.units, rows.careful
+        ctx.tiles = rows.rebased, rows.shift_column  # the tiles the backward forms as it did
         lse = rows.lse()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -69,7 +69,7 @@ class _TiledAttention(torch.autograd.Function):
             residue = shift.new_zeros(batch, kv_heads, q_len, group, dtype=torch.float64)
         if grad_alibi is not None:
             spread = torch.zeros_like(residue)
-        rows = RowStats(shift, total, ctx.units, ctx.careful)
+        rows = RowStats(shift, total, ctx.units, ctx.careful, *ctx.tiles)
         grad_query, grad_key, grad_value = attend_backward(
             query, key, value, grad_out, rows, delta, _rules_with(ctx.rules, *tensors),
             grad_mask=grad_mask, grad_alibi=grad_alibi, residue=residue, spread=spread,
@@ -201,7 +201,6 @@ def tiled_attention(
     return (out, rows.lse()) if return_lse else out
 
 
-KERNELS = ("auto", "pytorch", "triton")
 # The caller's tensors that the autograd function takes, in its order.
 TENSORS = ("mask", "key_lengths", "key_starts", "document_ids", "alibi_slopes", "sinks")
 # Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.

@@ -2,13 +2,19 @@
 
 Records: docs/design.md §5.
 
-- :mod:`octlm.bench.suites`: the named grids of measurements (``baseline``, ``train``, ...).
+- :mod:`octlm.bench.suites`: the named grids of measurements (``baseline``, ``train``, ...),
+  and the program suites (``PROGRAMS``) that take their own options.
+- :mod:`octlm.bench.timing`: the one timing loop every suite uses.
 - :mod:`octlm.bench.driver`: spawns one worker per measurement, in rounds; faults, resume.
 - :mod:`octlm.bench.worker`: runs exactly one measurement and prints one JSON line.
-- :mod:`octlm.bench.guard`: workers die with their driver; the busy mode's competing process.
+- :mod:`octlm.bench.guard`: children die with their driver; stop signals end a command cleanly;
+  the busy mode's competing process.
 - :mod:`octlm.bench.memory`: the memory probes and the score-matrix estimate.
-- :mod:`octlm.bench.ring`: ring attention over several processes.
+- :mod:`octlm.bench.decode`, :mod:`~octlm.bench.documents`, :mod:`~octlm.bench.ring`,
+  :mod:`~octlm.bench.training`: the program suites (decoding, packed documents, ring
+  attention over several processes, ``octlm train`` itself).
+- :mod:`octlm.bench.sketch`: the blocking sketch tiled attention grew from.
 
-A fresh process per measurement because ``ru_maxrss`` is a lifetime peak: the Day 2 note saw
-one backend's peak leak into the next row when they shared a process.
+A fresh process per measurement because ``ru_maxrss`` is a lifetime peak: backends measured
+one after another in one process would each report the largest peak so far.
 """

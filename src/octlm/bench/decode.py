@@ -1,7 +1,9 @@
 """Generation speed of the octlm model: tokens/s decoding after a long prompt, tiled vs sdpa.
 
-    python -m octlm.bench.decode                       # 1k, 8k and 32k context; 5 rounds
-    python -m octlm.bench.decode --contexts 256 --new-tokens 4 --rounds 2 --output /tmp/d.jsonl
+    octlm bench --suite decode                       # 1k, 8k and 32k context; 5 rounds
+    octlm bench --suite decode --contexts 256 --new-tokens 4 --rounds 2 --output /tmp/d.jsonl
+
+(``python -m octlm.bench.decode`` is the same program.)
 
 For each context length, one model per attention implementation (the same weights). The
 random prompt is prefilled once, by ``--prefill`` (sdpa by default), in chunks of ``--chunk``
@@ -24,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -32,30 +33,14 @@ import torch
 
 from octlm import records
 from octlm.attention import implementation
-from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.attention.tiles import DEFAULT_BLOCK
+from octlm.bench.guard import run_stoppable
+from octlm.bench.timing import Timing, time_calls
 from octlm.model import KVCache, ModelConfig, OctLM
 
 EXPERIMENT = "bench-decode"
 OUTPUT = Path("runs") / "bench-decode-cpu.jsonl"
 ATTENTIONS = ("tiled", "sdpa")
-
-
-class Meter:
-    """Wall time, CPU time and the load average around one measurement."""
-
-    def __enter__(self) -> Meter:
-        self.load_before = os.getloadavg()[0]
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self.seconds = time.perf_counter() - self.wall
-        cpu = time.process_time() - self.cpu
-        self.fields = {
-            "loadavg_before": round(self.load_before, 2),
-            "loadavg_after": round(os.getloadavg()[0], 2),
-            "cpu_share": round(cpu / (self.seconds * torch.get_num_threads()), 3),
-        }
 
 
 def positive_int(text: str) -> int:
@@ -75,43 +60,44 @@ def prefill(model: OctLM, prompt: torch.Tensor, chunk: int) -> tuple[KVCache, to
 
 def decode(
     model: OctLM, cache: KVCache, logits: torch.Tensor, new_tokens: int
-) -> tuple[list[float], torch.Tensor]:
-    """Greedy tokens ``(B, new_tokens)`` one call each, and each call's seconds."""
-    seconds, tokens = [], []
-    for _ in range(new_tokens):
-        tokens.append(logits.argmax(dim=-1, keepdim=True))  # (B, 1)
-        start = time.perf_counter()
-        logits = model(tokens[-1], cache=cache)[:, -1]  # (B, V)
-        seconds.append(time.perf_counter() - start)
-    return seconds, torch.cat(tokens, dim=1)
+) -> tuple[Timing, torch.Tensor]:
+    """Greedy tokens ``(B, new_tokens)``, one model call each, and the timing of each call
+    (the call and the argmax that picks its token)."""
+    tokens, last = [], [logits]
+
+    def step() -> None:
+        tokens.append(last[-1].argmax(dim=-1, keepdim=True))  # (B, 1)
+        last.append(model(tokens[-1], cache=cache)[:, -1])  # (B, V)
+
+    return time_calls(step, new_tokens), torch.cat(tokens, dim=1)
 
 
 def attention_alone(
     name: str, config: ModelConfig, cache: KVCache, layout: str, repeats: int
-) -> list[float]:
-    """Seconds of each of ``repeats`` attention calls of one query against the cache's first
-    layer: its keys as the cache hands them out (``layout="cache"``, a view of the buffer) or
-    copied into a contiguous tensor (``"contiguous"``)."""
+) -> Timing:
+    """``repeats`` attention calls of one query against the cache's first layer, after one
+    untimed call: its keys as the cache hands them out (``layout="cache"``, a view of the
+    buffer) or copied into a contiguous tensor (``"contiguous"``)."""
     impl = implementation(name)
-    key, value = cache.keys[0][:, :, : cache.length], cache.values[0][:, :, : cache.length]
+    key, value = cache.keys[0], cache.values[0]  # (B, Hkv, K, D) each
     if layout == "contiguous":
         key, value = key.contiguous(), value.contiguous()  # (B, Hkv, K, D) each
     query = torch.randn(key.shape[0], config.n_heads, 1, config.head_size, dtype=key.dtype)
     tuning = {option: getattr(config, option) for option in impl.tuning if hasattr(config, option)}
-    seconds = []
-    for _ in range(repeats + 1):  # the first call warms up
-        start = time.perf_counter()
+
+    def call() -> None:
         impl.function(query, key, value, causal=True, window=config.window, **tuning)
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+
+    return time_calls(call, repeats, warmup=1)
 
 
-def quartiles(values: list[float]) -> tuple[float, float]:
-    """Median and inter-quartile range (0 for fewer than two values)."""
-    if len(values) < 2:
-        return values[0], 0.0
-    low, _, high = statistics.quantiles(values, n=4)
-    return statistics.median(values), high - low
+def load_fields(timing: Timing) -> dict:
+    """How busy the machine was around a measurement: the load average before and after, and
+    the CPU share each thread got."""
+    rounded = {name: None if value is None else round(value, 2)
+               for name, value in (("loadavg_before", timing.load_before),
+                                   ("loadavg_after", timing.load_after))}  # fmt: skip
+    return {**rounded, "cpu_share": round(timing.cpu_share(torch.get_num_threads()), 3)}
 
 
 def alternating(round_: int) -> tuple[str, ...]:
@@ -142,42 +128,45 @@ def measure(args: argparse.Namespace, context: int, generator: torch.Generator) 
     prompt = torch.randint(config.vocab_size, (args.batch, context), generator=generator)
     written = []
 
-    def write(stage: str, name: str, meter: Meter, **fields) -> None:
+    def write(stage: str, name: str, timing: Timing, **fields) -> None:
         record = {
             **records.make("check", EXPERIMENT), "stage": stage, "attention": name,
             "context": context, "batch": args.batch, "dtype": "float32",
             **{key: value for key, value in asdict(config).items() if key != "attention"},
-            "head_size": config.head_size, **meter.fields, **fields, "pid": os.getpid(),
+            "head_size": config.head_size, **load_fields(timing), **fields, "pid": os.getpid(),
         }  # fmt: skip
         records.append(args.output, record)
         written.append(record)
 
     with torch.inference_mode():
-        with Meter() as meter:
-            cache, logits = prefill(models[args.prefill], prompt, args.chunk)
-        write("prefill", args.prefill, meter, chunk=args.chunk, seconds=meter.seconds,
-              tokens_per_second=context * args.batch / meter.seconds)  # fmt: skip
+        filled = []  # the prefill's cache and last logits
+        timing = time_calls(
+            lambda: filled.append(prefill(models[args.prefill], prompt, args.chunk)), 1
+        )
+        [(cache, logits)] = filled
+        seconds = timing.seconds[0]
+        write("prefill", args.prefill, timing, chunk=args.chunk, seconds=seconds,
+              tokens_per_second=context * args.batch / seconds)  # fmt: skip
         for round_ in range(args.rounds):
             for name in alternating(round_):
                 cache.length = context  # rewind: the decoded positions get overwritten
-                with Meter() as meter:
-                    seconds, tokens = decode(models[name], cache, logits, args.new_tokens)
-                median, iqr = quartiles(seconds)
-                write("decode", name, meter, round=round_, new_tokens=args.new_tokens,
-                      seconds=sum(seconds), seconds_per_token_median=median,
-                      seconds_per_token_iqr=iqr, seconds_per_token=seconds,
-                      tokens_per_second=args.new_tokens * args.batch / sum(seconds),
+                timing, tokens = decode(models[name], cache, logits, args.new_tokens)
+                per_token = records.timing(timing.seconds)
+                write("decode", name, timing, round=round_, new_tokens=args.new_tokens,
+                      seconds=sum(timing.seconds),
+                      seconds_per_token_median=per_token["seconds_median"],
+                      seconds_per_token_iqr=per_token["seconds_iqr"],
+                      seconds_per_token=timing.seconds,
+                      tokens_per_second=args.new_tokens * args.batch / sum(timing.seconds),
                       tokens=tokens.tolist())  # fmt: skip
         cache.length = context
         for round_ in range(args.rounds):
             for layout in ("cache", "contiguous"):
                 for name in alternating(round_):
-                    with Meter() as meter:
-                        seconds = attention_alone(name, config, cache, layout, args.repeats)
-                    median, iqr = quartiles(seconds)
-                    write("attention", name, meter, round=round_, layout=layout, q_len=1,
-                          k_len=context, repeats=args.repeats, seconds_median=median,
-                          seconds_iqr=iqr, seconds=seconds)  # fmt: skip
+                    timing = attention_alone(name, config, cache, layout, args.repeats)
+                    write("attention", name, timing, round=round_, layout=layout, q_len=1,
+                          k_len=context, repeats=args.repeats,
+                          **records.timing(timing.seconds))  # fmt: skip
     return written
 
 
@@ -226,8 +215,11 @@ def report(written: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The suite's exit status: 0, 1 when a record cannot be written, 128 + a stop signal."""
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m octlm.bench.decode", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--new-tokens", type=positive_int, default=16, help="per round")
     parser.add_argument("--rounds", type=positive_int, default=5)
@@ -245,19 +237,16 @@ def main(argv: list[str] | None = None) -> None:
         ModelConfig(n_kv_heads=args.kv_heads, block=args.block)  # a bad size fails here
     except ValueError as error:
         parser.error(f"--kv-heads or --block: {error}")
-    try:  # an unwritable output fails now, not after the measurements
+    try:  # an unwritable output fails here, before the measurements
         records.check_writable(args.output, "--output")
     except ValueError as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
-    try:
-        print(report(run(args)))
-    except KeyboardInterrupt:
-        print(f"interrupted; the finished records are in {args.output}", file=sys.stderr)
-        sys.exit(130)
-    except OSError as error:
-        sys.exit(f"cannot write the records: {error}")
+    return run_stoppable(
+        parser.prog, lambda: print(report(run(args))), {OSError: 1},
+        kept=f"finished records are in {args.output}",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

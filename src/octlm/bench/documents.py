@@ -1,7 +1,9 @@
 """Packed documents: tiled attention's block skipping against SDPA and FlexAttention on CPU.
 
-    python -m octlm.bench.documents                       # 8,192 tokens in 8 documents of 1,024
-    python -m octlm.bench.documents --length 1024 --documents 4 --output /tmp/d.jsonl
+    octlm bench --suite documents                   # 8,192 tokens in 8 documents of 1,024
+    octlm bench --suite documents --length 1024 --documents 4 --output /tmp/d.jsonl
+
+(``python -m octlm.bench.documents`` is the same program.)
 
 One process, fp32, causal. Backends are interleaved (each round runs every backend once, in
 turn), so a change in the machine's load falls on all of them alike; each figure is the median
@@ -22,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +35,8 @@ from octlm import records
 from octlm.attention import block_mask, sdpa_attention, tiled_attention
 from octlm.attention.block_masks import document_mod
 from octlm.bench.decode import positive_int
+from octlm.bench.guard import run_stoppable
+from octlm.bench.timing import time_calls
 
 EXPERIMENT = "bench-documents"
 OUTPUT = Path("runs") / "bench-documents-cpu.jsonl"
@@ -101,20 +105,22 @@ def flex_forward(query, key, value, ids) -> tuple[Callable[[], None], Callable[[
 
 
 def measure(calls: dict, rounds: int) -> dict:
-    """Every call once per round, in turn; returns the seconds of each."""
-    for call in calls.values():  # warm-up: compilation, allocator, caches
-        call()
+    """Every call once per round, in turn, after one untimed call each (compilation, allocator,
+    caches); returns the seconds of each."""
+    for call in calls.values():
+        time_calls(call, 0, warmup=1)
     seconds = {case: [] for case in calls}
     for _ in range(rounds):
         for case, call in calls.items():
-            start = time.perf_counter()
-            call()
-            seconds[case].append(time.perf_counter() - start)
+            seconds[case] += time_calls(call, 1).seconds
     return seconds
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The suite's exit status: 0, 1 when a record cannot be written, 128 + a stop signal."""
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m octlm.bench.documents", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--length", type=positive_int, default=8192)
     parser.add_argument("--documents", type=positive_int, default=8)
     parser.add_argument("--heads", type=positive_int, default=8)
@@ -135,13 +141,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--rounds must be at least 3 for a median and a spread, got {args.rounds}")
     if args.documents > args.length:
         parser.error(f"--documents ({args.documents}) cannot exceed --length ({args.length})")
-    try:  # the records are written at the end, after every round: check now that they can be
+    try:  # the records are written at the end, after every round: check first that they can be
         records.check_writable(args.output, "--output")
     except ValueError as error:
         parser.error(str(error))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    return run_stoppable(
+        parser.prog, lambda: run(args), {OSError: 1},
+        kept="no records: they are written once every round has run",
+    )  # fmt: skip
 
+
+def run(args: argparse.Namespace) -> None:
+    """Measure every backend in interleaved rounds, then append one record per backend."""
     generator = torch.Generator().manual_seed(0)
     shape = (1, args.heads, args.length, args.head_size)
     query, key, value = (
@@ -200,4 +213,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,6 +5,8 @@
   (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); elsewhere a thread watches ``os.getppid()``.
 - :func:`stop_on_signals`: SIGTERM and SIGHUP raise :class:`Stopped` in the driver, so the code
   that kills the running worker (the same as for Ctrl-C) runs before the driver exits.
+- :func:`run_stoppable`: a command's work under :func:`stop_on_signals`, ending as one line and
+  an exit status on an expected error, Ctrl-C (130) or a stop signal (128 + its number).
 - ``python guard.py --compete PARENT``: one CPU-bound process, for ``octlm bench --busy``.
 
 This file imports nothing from octlm or torch, so the competing process starts at once.
@@ -21,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_SIGNALS = tuple(
@@ -77,6 +79,33 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def run_stoppable(
+    name: str,
+    work: Callable[[], int | None],
+    exits: dict[type[BaseException], int],
+    kept: str | None = None,
+) -> int:
+    """``work()``'s exit status, with SIGTERM and SIGHUP raising :class:`Stopped` meanwhile.
+
+    An error of a kind in ``exits`` is ``name: error`` on stderr and that kind's status; Ctrl-C
+    is ``name: interrupted`` and 130, a stop signal ``name: stopped by SIGHUP`` and 128 + its
+    number, followed by ``kept`` (what the run leaves, say where its finished records are). A
+    ``finally`` or ``with`` inside ``work`` runs first, so children are killed and temporary
+    files removed before the line is printed.
+    """
+    try:
+        with stop_on_signals():
+            return int(work() or 0)
+    except tuple(exits) as error:
+        print(f"{name}: {error}", file=sys.stderr)
+        return next(code for kind, code in exits.items() if isinstance(error, kind))
+    except (KeyboardInterrupt, Stopped) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        said = str(stop) if isinstance(stop, Stopped) else "interrupted"
+        print(f"{name}: {said}" + (f"; {kept}" if kept else ""), file=sys.stderr)
+        return 128 + signum
 
 
 def compete(parent: int) -> None:

@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-# Score-sized (batch, heads, q_len, k_len) tensors alive at the peak, measured on CPU with
-# torch 2.13 at 2,048 tokens and rounded up (MATH 2.5 and 3.6, naive 3.2 and 3.5 in float32):
-# scores, mask, probabilities, and in training their gradients.
+# Score-sized (batch, heads, q_len, k_len) tensors alive at the peak: scores, mask,
+# probabilities, and in training their gradients; counts rounded up from the peaks measured
+# on CPU (docs/benchmarks.md, memory guard).
 SCORE_MATRICES = {
     ("math", "forward"): 3,
     ("math", "train"): 4,

@@ -36,10 +36,11 @@ import torch.multiprocessing as mp
 
 from octlm import records
 from octlm.attention import ring_attention, tiled_attention
-from octlm.attention.ring import DEFAULT_LAYOUT, LAYOUTS
-from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.bench import guard, memory
 from octlm.bench.suites import DTYPES, MODES
+from octlm.bench.timing import time_calls
+from octlm.context_parallel import DEFAULT_LAYOUT, LAYOUTS
 
 EXPERIMENT = "bench-ring"
 OUTPUT = Path("runs") / "bench-ring-cpu.jsonl"
@@ -91,21 +92,13 @@ def _measure(rank: int, spec: dict) -> dict:
             out.backward(grad_out)
             query.grad = key.grad = value.grad = None
 
-    def barrier() -> None:
-        if world > 1:
-            dist.barrier()
-
     baseline = memory.baseline("cpu")
-    for _ in range(spec["warmup"]):
-        step()
-    seconds = []
-    for _ in range(spec["repeats"]):
-        barrier()
-        start = time.perf_counter()
-        step()
-        barrier()
-        seconds.append(time.perf_counter() - start)
-    return {"status": "ok", "seconds": seconds, "baseline": baseline, "peak": memory.peak("cpu")}
+    barrier = dist.barrier if world > 1 else None  # a repeat lasts as long as the slowest rank
+    timed = time_calls(step, spec["repeats"], warmup=spec["warmup"], fence=barrier)
+    return {
+        "status": "ok", "seconds": timed.seconds, "baseline": baseline,
+        "peak": memory.peak("cpu"),
+    }  # fmt: skip
 
 
 RUN_FIELDS = ("threads", "timeout", "parent", "run")  # how to run, not what is measured
@@ -194,8 +187,12 @@ def check(args: argparse.Namespace) -> None:
     records.check_writable(args.output, "--output")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The suite's exit status: 0, 2 for options no run could honour, 1 when a record cannot
+    be written, 128 + a stop signal."""
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m octlm.bench.ring", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--length", type=int, default=8192, help="total tokens, all ranks")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="1 = tiled")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -212,34 +209,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
     parser.add_argument("--output", default=str(OUTPUT))
     args = parser.parse_args(argv)
-    try:
+
+    def work() -> None:
         check(args)
-    except ValueError as error:
-        print(f"octlm.bench.ring: {error}", file=sys.stderr)
-        return 2
-    run = records.new_run()
-    try:
-        with guard.stop_on_signals():
-            for world, mode in itertools.product(args.worlds, args.modes):
-                spec = _spec(args, world, mode, run)
-                record = measure(spec)
-                records.append(args.output, record)
-                summary = (
-                    f"{record['seconds_median']:.3f} s, peak {record['peak_bytes'] / 2**20:.0f} MiB"
-                    if record["status"] == "ok"
-                    else f"{record['status']}: {record['reason']}"
-                )
-                print(f"{spec['backend']} W={world} {mode}: {summary}", flush=True)
-    except (KeyboardInterrupt, guard.Stopped) as stop:
-        print(
-            f"octlm.bench.ring: {str(stop) or 'interrupted'}; records kept in {args.output}",
-            file=sys.stderr,
-        )
-        return 128 + stop.signum if isinstance(stop, guard.Stopped) else 130
-    except OSError as error:
-        print(f"octlm.bench.ring: {error}", file=sys.stderr)
-        return 1
-    return 0
+        run = records.new_run()
+        for world, mode in itertools.product(args.worlds, args.modes):
+            spec = _spec(args, world, mode, run)
+            record = measure(spec)
+            records.append(args.output, record)
+            summary = (
+                f"{record['seconds_median']:.3f} s, peak {record['peak_bytes'] / 2**20:.0f} MiB"
+                if record["status"] == "ok"
+                else f"{record['status']}: {record['reason']}"
+            )
+            print(f"{spec['backend']} W={world} {mode}: {summary}", flush=True)
+
+    return guard.run_stoppable(
+        parser.prog, work, {ValueError: 2, OSError: 1}, kept=f"records kept in {args.output}"
+    )
 
 
 def _spec(args: argparse.Namespace, world: int, mode: str, run: str) -> dict:

@@ -1,8 +1,8 @@
-"""The Day 2 note's tiled sketch, kept as a benchmark baseline (forward only).
+"""The blocking sketch, kept as a benchmark baseline (forward only).
 
-This is the function the Day 2 note wrote "to learn the blocking": every query at once against
-one key block at a time, causal (top-left), no GQA. ``octlm bench --backends sketch`` times it
-beside :func:`octlm.attention.tiled_attention`, which grew from it.
+The first form of FlashAttention's blocking in this project, written to learn it: every query
+at once against one key block at a time, causal (top-left), no GQA. ``octlm bench --backends
+sketch`` times it beside :func:`octlm.attention.tiled_attention`, which grew from it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 
-def day2_sketch(query: Tensor, key: Tensor, value: Tensor, block: int = 128) -> Tensor:
+def sketch_attention(query: Tensor, key: Tensor, value: Tensor, block: int = 128) -> Tensor:
     """FlashAttention's blocking. One key block at a time, rescaling by a running maximum."""
     length, head_size = query.shape[-2], query.shape[-1]
     rows = torch.arange(length, device=query.device).unsqueeze(1)

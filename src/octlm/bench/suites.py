@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, fields, replace
 
-from octlm.attention.tiled import DEFAULT_BLOCK
+from octlm.attention.tiles import DEFAULT_BLOCK
 
-BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "sketch", "triton")
+BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "sketch", "triton", "auto")
 # The structure and score keywords a measurement may add (docs/design.md §2), each in one fixed
 # form: 8 packed documents of equal length; left padding of the ``padding`` fraction of keys
 # (``key_starts``, where ``padding`` alone is right padding by ``key_lengths``); a softcap of
@@ -166,10 +166,12 @@ GRID_OPTIONS = tuple(f.name for f in fields(Grid))
 _CPU_LENGTHS = (1024, 2048, 4096, 8192)
 _CUDA_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 _STRUCTURE = Grid(backends=("flash", "tiled", "math"), lengths=(8192,))
+_ROUTE = Grid(backends=("auto", "flash", "tiled"), lengths=(8192,))
 
 SUITES: dict[str, tuple[Grid, ...]] = {
-    # The Day 2 note's grid: forward, batch 1, 8 heads of 32, float32 and bfloat16; and the
-    # note's own tiled sketch, which octlm's tiled attention grew from.
+    # The reference grid: SDPA's MATH against its FLASH backend (and the others) on the CPU,
+    # forward, batch 1, 8 heads of 32, float32 and bfloat16; and the forward-only blocking
+    # sketch that octlm's tiled attention grew from (bench/sketch.py).
     "baseline": (
         Grid(
             backends=("math", "flash", "efficient", "tiled", "naive"),
@@ -195,6 +197,17 @@ SUITES: dict[str, tuple[Grid, ...]] = {
         replace(_STRUCTURE, features=("left padding",), paddings=(0.5,)),
         replace(_STRUCTURE, features=("softcap", "alibi", "sinks"), modes=("forward", "train")),
     ),
+    # attention="auto" beside the two paths it chooses between (SDPA's FLASH, tiled), on each
+    # case of its rule (octlm.attention.route): plain causal, a window, packed documents, right
+    # padding, the score modifiers and sinks, one decoding row and a chunk after a cache.
+    "route": (
+        replace(_ROUTE, modes=("forward", "train")),
+        replace(_ROUTE, windows=(512,)),
+        replace(_ROUTE, features=("documents",), modes=("forward", "train")),
+        replace(_ROUTE, paddings=(0.5,)),
+        replace(_ROUTE, features=("softcap", "alibi", "sinks")),
+        replace(_ROUTE, q_lens=(1, 1024)),
+    ),
     "cuda": (
         Grid(
             backends=("math", "flash", "efficient", "cudnn", "tiled", "triton"),
@@ -209,13 +222,24 @@ SUITES: dict[str, tuple[Grid, ...]] = {
 }
 
 
-# Former suite names that still work.
+# Other names of suites, as committed records name their experiment (``bench-seed``).
 ALIASES = {"seed": "baseline"}
+# Suites that are programs of their own, not grids of worker measurements: each module's
+# ``main(argv, prog)`` takes its own options (``octlm bench --suite NAME --help``) and times its
+# calls with the same loop (:mod:`octlm.bench.timing`).
+PROGRAMS = {
+    "decode": "octlm.bench.decode",  # generation speed through the KV cache, tiled vs sdpa
+    "documents": "octlm.bench.documents",  # packed documents: tiled, SDPA, FlexAttention
+    "ring": "octlm.bench.ring",  # ring attention over W processes against tiled in one
+    "training": "octlm.bench.training",  # octlm train's overhead, and each attention in it
+}
 
 
 def suite_name(name: str) -> str:
     """The suite ``name`` stands for (an alias resolved); ``ValueError`` if none."""
     name = ALIASES.get(name, name)
+    if name in PROGRAMS:
+        raise ValueError(f"suite {name!r} is a program: run it as octlm bench --suite {name}")
     if name not in SUITES:
         raise ValueError(f"suite must be one of {sorted([*SUITES, *ALIASES])}, got {name!r}")
     return name

@@ -26,10 +26,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from octlm import records
-from octlm.attention import IMPLEMENTATIONS, sdpa_attention
+from octlm.attention import IMPLEMENTATIONS, route, sdpa_attention
 from octlm.bench import memory
 from octlm.bench.guard import die_with_parent
 from octlm.bench.suites import Measurement
+from octlm.bench.timing import device_fence, time_calls
 
 RESULT_FIELDS = (
     "status",
@@ -141,8 +142,9 @@ def attention_call(measurement: Measurement, query, key, value, keywords: dict) 
         unknown = sorted(set(keywords) - {"key_lengths", *impl.features})
         if unknown:
             raise Unsupported(f"{m.backend} takes no {', '.join(unknown)}")
-        # The Triton kernel is its own backend: tiled is timed as plain PyTorch.
-        tuning = {"block": tuple(m.block), "kernel": "pytorch"} if "block" in impl.tuning else {}
+        # The Triton kernel is its own backend: tiled is timed as plain PyTorch. A backend
+        # measured without a block (auto) runs with its own defaults.
+        tuning = {"block": tuple(m.block), "kernel": "pytorch"} if m.block is not None else {}
         return lambda: impl.function(query, key, value, **keywords, **options, **tuning)
     if m.backend in SDPA:
 
@@ -154,10 +156,10 @@ def attention_call(measurement: Measurement, query, key, value, keywords: dict) 
     if m.backend == "sketch":
         plain = m.causal and not m.window and not keywords and m.q_len == m.length
         if not plain or m.mode != "forward" or m.kv_heads != m.heads:
-            raise Unsupported("the Day 2 sketch is square causal MHA, forward only")
-        from octlm.bench.sketch import day2_sketch
+            raise Unsupported("the sketch is square causal MHA, forward only")
+        from octlm.bench.sketch import sketch_attention
 
-        return lambda: day2_sketch(query, key, value)
+        return lambda: sketch_attention(query, key, value)
     if m.backend == "triton":
         if query.device.type != "cuda":
             raise Unsupported(f"triton runs on CUDA only, not on {query.device.type}")
@@ -220,6 +222,9 @@ def _run(m: Measurement) -> dict:
     learned = [x for x in keywords.values() if isinstance(x, torch.Tensor) and x.requires_grad]
     grad_out = torch.randn_like(query, requires_grad=False) if train else None
     call = attention_call(m, query, key, value, keywords)
+    chosen = {}
+    if m.backend == "auto":  # its record says which path it took and why
+        chosen["route"] = route(query, key, value, causal=m.causal, window=m.window, **keywords)[1]
 
     def step() -> None:
         out = call()
@@ -230,36 +235,24 @@ def _run(m: Measurement) -> dict:
 
     baseline = memory.baseline(m.device)
     _test_fault(m.backend)
-    for _ in range(m.warmup):
-        step()
-    load_before = _load()
-    cpu, wall = time.process_time(), time.perf_counter()
-    seconds = [_timed(step, device) for _ in range(m.repeats)]
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    timed = time_calls(step, m.repeats, warmup=m.warmup, fence=device_fence(device))
     peak = memory.peak(m.device)
-    timing = records.timing(seconds)
+    timing = records.timing(timed.seconds)
     median = timing["seconds_median"]
     return {
         "status": "ok",
+        **chosen,
         **timing,
         "tflops": flops(m) / median / 1e12 if median > 0 else None,
         "peak_bytes": peak,
         "baseline_bytes": baseline,
         "extra_bytes": peak - baseline,
-        "load_before": load_before,
-        "load_after": _load(),
+        "load_before": timed.load_before,
+        "load_after": timed.load_after,
         "cpus": os.cpu_count(),
-        "cpu_seconds": cpu,
-        "wall_seconds": wall,
+        "cpu_seconds": timed.cpu_seconds,
+        "wall_seconds": timed.wall_seconds,
     }
-
-
-def _load() -> float | None:
-    """The one-minute load average, where the system has one."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def matmul_peak(
@@ -269,27 +262,14 @@ def matmul_peak(
     median of :data:`PEAK_REPEATS` calls after one warm-up (2·size³ operations each)."""
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator) for _ in range(2))  # (N, N) each
-    torch.mm(a, b)
-    load_before = _load()
-    seconds = [_timed(lambda: torch.mm(a, b), torch.device("cpu")) for _ in range(PEAK_REPEATS)]
-    timing = records.timing(seconds)
+    timed = time_calls(lambda: torch.mm(a, b), PEAK_REPEATS, warmup=1)
+    timing = records.timing(timed.seconds)
     gflops = 2 * size**3 / timing["seconds_median"] / 1e9
     return records.make(
         "peak", experiment, "cpu", run=run, size=size, dtype="float32", busy=busy,
-        gflops=gflops, **timing, load_before=load_before, load_after=_load(),
+        gflops=gflops, **timing, load_before=timed.load_before, load_after=timed.load_after,
         cpus=os.cpu_count(), pid=os.getpid(),
     )  # fmt: skip
-
-
-def _timed(step: Callable[[], None], device: torch.device) -> float:
-    """Wall seconds of one step; CUDA is synchronised on both sides so kernels are counted."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def _test_fault(backend: str) -> None:

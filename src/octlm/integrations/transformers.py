@@ -5,10 +5,11 @@
     from octlm.integrations.transformers import register
 
     register()
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="octlm_tiled")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="octlm")
 
-:func:`register` adds ``"octlm_<name>"`` for each single-process octlm implementation (naive,
-sdpa, tiled) to two transformers registries: the attention registry (the function every
+:func:`register` adds ``"octlm"`` (octlm's ``auto``: per call, the faster of sdpa and tiled)
+and ``"octlm_<name>"`` for each single-process octlm implementation (naive, sdpa, tiled,
+auto) to two transformers registries: the attention registry (the function every
 attention layer calls) and the mask registry (what the model builds once per forward for each
 layer type). Both are needed: registered only as an attention function, an implementation is
 handed the raw 2-D padding mask or none at all, and left padding is silently ignored.
@@ -59,6 +60,8 @@ from octlm.attention import IMPLEMENTATIONS, Implementation, implementation
 __all__ = ["StructuredMask", "register", "structured_mask"]
 
 PREFIX = "octlm_"
+# The plain name, and the implementation it runs.
+DEFAULT, DEFAULT_IMPLEMENTATION = "octlm", "auto"
 # Keyword arguments some models pass that change the maths and that octlm does not implement.
 UNSUPPORTED = ("position_bias",)
 
@@ -99,23 +102,24 @@ _READ_BY_MODEL = (
 
 
 def register() -> tuple[str, ...]:
-    """Register ``octlm_naive``, ``octlm_sdpa`` and ``octlm_tiled`` with transformers.
+    """Register ``octlm`` (auto) and ``octlm_naive``, ``octlm_sdpa``, ``octlm_tiled``,
+    ``octlm_auto`` with transformers.
 
     Safe to call more than once. Returns the registered names.
     """
-    names = []
+    chosen = [(DEFAULT, DEFAULT_IMPLEMENTATION)]
     for impl in IMPLEMENTATIONS.values():
-        if impl.distributed:  # needs a process group and a sharded sequence
-            continue
-        name = PREFIX + impl.name
-        AttentionInterface.register(name, _attention_function(impl.name))
-        AttentionMaskInterface.register(name, structured_mask)
-        names.append(name)
-    return tuple(names)
+        if not impl.distributed:  # ring needs a process group and a sharded sequence
+            chosen.append((PREFIX + impl.name, impl.name))
+    for label, name in chosen:
+        AttentionInterface.register(label, _attention_function(name, label))
+        AttentionMaskInterface.register(label, structured_mask)
+    return tuple(label for label, _ in chosen)
 
 
-def _attention_function(name: str):
-    """The function transformers calls for ``octlm_<name>``, in every attention layer."""
+def _attention_function(name: str, label: str):
+    """The function transformers calls for ``label`` (running octlm's ``name``), in every
+    attention layer."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         """query ``(B, H, Q, D)``, key/value ``(B, Hkv, K, D)`` -> ``((B, Q, H, D), None)``.
@@ -123,7 +127,7 @@ def _attention_function(name: str):
         GQA goes in as is: octlm reads each key/value head for its group of query heads.
         """
         impl = implementation(name)  # looked up per call: a replaced registry entry is used
-        _check_supported(impl, module, dropout, kwargs)
+        _check_supported(impl, label, module, dropout, kwargs)
         rules = _rules(attention_mask, module, kwargs)
         value_size = value.shape[-1]
         if scaling is None:
@@ -147,7 +151,7 @@ def _attention_function(name: str):
         out = out[..., :value_size]  # (B, H, Q, Dv)
         return out.transpose(1, 2).contiguous(), None  # (B, Q, H, Dv), no probabilities
 
-    attention.__name__ = attention.__qualname__ = f"{PREFIX}{name}_attention"
+    attention.__name__ = attention.__qualname__ = f"{label}_attention"
     return attention
 
 
@@ -161,9 +165,9 @@ def _same_head_size(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, 
     return query, key, value
 
 
-def _check_supported(impl: Implementation, module, dropout: float, kwargs: dict) -> None:
-    """Refuse, with the way out, what this implementation would otherwise silently get wrong."""
-    label = PREFIX + impl.name
+def _check_supported(impl: Implementation, label: str, module, dropout: float, kwargs: dict):
+    """Refuse, with the way out, what this implementation would otherwise silently get wrong;
+    ``label`` is the name transformers knows it by."""
     config = getattr(module, "config", None)
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
         raise ValueError(

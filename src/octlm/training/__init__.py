@@ -1,17 +1,27 @@
-"""Training octlm models: byte-level data, the loop, checkpoints, several processes, sampling.
+"""Training octlm models: data (bytes or BPE), the loop, checkpoints, processes, sampling.
 
 - :mod:`~octlm.training.config`: ``RunConfig``, presets, resolving flags, files and presets
-- :mod:`~octlm.training.data`: corpus -> memory-mapped uint8 token files; batches
+- :mod:`~octlm.training.data`: corpus -> memory-mapped token files; batches
 - :mod:`~octlm.training.optim`: AdamW (decay on matrices) and warm-up + cosine schedule
 - :mod:`~octlm.training.loop`: :func:`train`, evaluation, signals
 - :mod:`~octlm.training.checkpoint`: atomic checkpoints, checked on load
 - :mod:`~octlm.training.distributed`: DDP, FSDP2 and context parallelism under torchrun
 - :mod:`~octlm.training.metrics`: ``metrics.jsonl`` and the loss-curve picture
-- :mod:`~octlm.training.sample`: text from a run folder's latest checkpoint
+- :mod:`~octlm.training.sample`: text from a trained model (``octlm.load_run`` reads a run)
 """
 
-from octlm.training.config import PRESETS, RunConfig, resolve
-from octlm.training.loop import Outcome, train
-from octlm.training.sample import generate_text, load_run
+import importlib
 
-__all__ = ["PRESETS", "Outcome", "RunConfig", "generate_text", "load_run", "resolve", "train"]
+from octlm.training.config import PRESETS, RunConfig, resolve
+
+__all__ = ["PRESETS", "Outcome", "RunConfig", "generate_text", "resolve", "train"]
+# Names whose modules import torch's distributed checkpointing and FSDP, loaded on first use so
+# that reading the configuration (``octlm train --help``) does not pay for them.
+_LAZY = {"Outcome": "loop", "train": "loop", "generate_text": "sample"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'octlm.training' has no attribute {name!r}")
+    module = importlib.import_module(f"octlm.training.{_LAZY[name]}")
+    return getattr(module, name)

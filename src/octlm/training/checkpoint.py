@@ -4,9 +4,9 @@ A checkpoint is one ``torch.save`` file, ``checkpoint-STEP.pt`` in the run folde
 full (unsharded) model and optimizer state keyed by parameter name, so a checkpoint of one
 process, of DDP or of FSDP loads the same way, in one process or many. It carries a SHA-256 of
 everything in it, checked when it is read: a flipped bit is refused, not trained on. It is
-first written to a temporary file, flushed to disk (fsync), then renamed over its final name: a
-crash leaves either the old set of checkpoints or the new one, never a torn file under a
-checkpoint's name.
+written by :func:`octlm.files.save_atomically`: a crash leaves either the old set of checkpoints
+or the new one, never a torn file under a checkpoint's name, and a failed write (a full disk)
+leaves no temporary file and raises ``OSError`` naming the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from octlm.model import INTERCHANGEABLE, ModelConfig, checksum
+from octlm.files import checksum, save_atomically
+from octlm.model import INTERCHANGEABLE, ModelConfig, saved_config
 
 FORMAT = "octlm-train-1"
 PATTERN = re.compile(r"checkpoint-(\d+)\.pt")
-TEMPORARY = re.compile(r"\.checkpoint-(\d+)\.pt\.tmp")
+TEMPORARY = re.compile(r"\.checkpoint-(\d+)\.pt\.(\w+\.)?tmp")  # save_atomically's
 
 
 def path_for(folder: str | os.PathLike, step: int) -> Path:
@@ -48,18 +49,8 @@ def latest(folder: str | os.PathLike) -> Path | None:
 def save(folder: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
     """Write the checkpoint of ``step`` atomically; delete all but the last ``keep``."""
     final = path_for(folder, step)
-    temporary = final.with_name(f".{final.name}.tmp")
-    with temporary.open("wb") as out:
-        contents = {"format": FORMAT, "step": step, **state}
-        torch.save({**contents, "sha256": checksum(contents, nested=True)}, out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, final)
-    directory = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself is durable
-    finally:
-        os.close(directory)
+    contents = {"format": FORMAT, "step": step, **state}
+    save_atomically({**contents, "sha256": checksum(contents, nested=True)}, final)
     for old in listed(folder)[:-keep]:
         old.unlink()
     return final
@@ -85,7 +76,9 @@ def load(path: str | os.PathLike, model_config: ModelConfig) -> dict:
             "checkpoint in the folder may still load"
         )
     expected = asdict(model_config)
-    stored = state["model_config"]
+    # Resolved like the config it is checked against: a field the checkpoint predates has its
+    # default, derived from the stored sizes where the default is derived (mlp_width).
+    stored = asdict(saved_config({"config": state["model_config"]}))
     differences = [
         f"{name} {stored.get(name)!r} (expected {value!r})"
         for name, value in expected.items()

@@ -19,8 +19,9 @@ import torch
 
 from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
-from octlm.model import INTERCHANGEABLE, ModelConfig, OctLM, is_int_at_least
-from octlm.training.data import VOCAB
+from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
+from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
+from octlm.training.budget import parse_duration
 from octlm.training.optim import OPTIMIZERS
 
 PRESETS: dict[str, dict] = {
@@ -31,12 +32,14 @@ PRESETS: dict[str, dict] = {
 DEFAULT_PRESET = "tiny"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_FILE = "config.json"
+# Optimizer steps of a run that sets neither --steps nor --time-budget.
+DEFAULT_STEPS = 1000
 # Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
 # Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
-# checkpoint is a full state dict, and the model's attention may change with it
-# (``INTERCHANGEABLE``).
+# checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
+# dropout: ``INTERCHANGEABLE``) may change with it.
 RESUMABLE = frozenset(
-    {"steps", "device", "compile", "checkpoint_activations", "eval_every"}
+    {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
     | {"fsdp", "context_parallel"}
 )
@@ -63,11 +66,25 @@ class RunConfig:
     data: str | None = _option(None, "a text file or folder (default: this Python's stdlib)")
     glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
     val_share: float = _option(0.1, "share of documents held out for validation")
+    tokenizer: str = _option(
+        "bytes",
+        f"bytes, or bpe: a byte-level BPE of --vocab-size tokens (default {DEFAULT_BPE_VOCAB}) "
+        "trained on the training split",
+        choices=NAMES,
+    )
     pack: bool = _switch(
         "fill each row with whole documents that attend only within themselves (documents "
         "longer than a row are cut into row-sized pieces; the rest of a row is padding)"
     )
-    steps: int = _option(2200, "optimizer steps")
+    steps: int | None = _option(
+        None, f"optimizer steps (default {DEFAULT_STEPS}; with --time-budget, no limit)"
+    )
+    time_budget: str | None = _option(
+        None,
+        "train for this much wall-clock time (90s, 10m, 1h30m): the learning rate's cosine "
+        "follows the training time used (evaluations excluded) and the run ends with an "
+        "evaluation and a checkpoint once it is spent; with --steps, at whichever comes first",
+    )
     batch: int = _option(16, "sequences per optimizer step, over all ranks and --accumulate")
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
@@ -91,12 +108,21 @@ class RunConfig:
     keep: int = _option(3, "checkpoints kept (the latest ones)")
     log_every: int = _option(10, "steps between metrics.jsonl records")
     prompt: str = _option("def ", "prompt of the sample printed at each evaluation")
-    sample_tokens: int = _option(96, "bytes sampled at each evaluation")
+    sample_tokens: int = _option(96, "tokens sampled at each evaluation")
     fsdp: bool = _switch("shard parameters with FSDP2 (under torchrun)")
     context_parallel: bool = _switch("split each sequence across ranks with ring attention")
+    init_from: str | None = _option(
+        None,
+        "a transformers folder (Llama, Mistral) whose config, weights and tokenizer start the "
+        "run (fine-tuning); the model flags may set only how it runs (--attention, --block, "
+        "--kernel, --dropout)",
+    )
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch", "length", "accumulate", "eval_every", "eval_batches")
+        if self.steps is None and self.time_budget is None:
+            self.steps = DEFAULT_STEPS
+        positive = ("batch", "length", "accumulate", "eval_every", "eval_batches")
+        positive += ("steps",) if self.steps is not None else ()
         positive += ("checkpoint_every", "keep", "log_every")
         for name in positive:
             if not is_int_at_least(getattr(self, name), 1):
@@ -113,6 +139,8 @@ class RunConfig:
         if self.seed >= 2**63:  # seeds derived from it (seed + rank) must stay in int64
             raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
         prompt_bytes(self.prompt)
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
         if self.device is not None:
             parse_device(self.device)
         for name, low, high in (("val_share", 0, 1), ("min_lr_ratio", 0, 1)):
@@ -129,8 +157,15 @@ class RunConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.tokenizer not in NAMES:
+            raise ValueError(f"tokenizer must be one of {NAMES}, got {self.tokenizer!r}")
         if self.fsdp and self.context_parallel:
             raise ValueError("fsdp and context_parallel cannot be combined: choose one")
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """``time_budget`` in seconds; None without one."""
+        return None if self.time_budget is None else parse_duration(self.time_budget)
 
 
 def parse_device(text: str) -> torch.device:
@@ -143,9 +178,13 @@ def parse_device(text: str) -> torch.device:
 
 
 def parameter_count(config: ModelConfig) -> int:
-    """Parameters of ``OctLM(config)``, counted on the meta device (no memory, no init time)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in OctLM(config).parameters())
+    """Parameters of ``OctLM(config)``, from its sizes alone (no model is built): the tied
+    embedding, then per layer two RMSNorm weights, the fused query/key/value projection, the
+    output projection and SwiGLU's three matrices, and the final RMSNorm."""
+    width, mlp = config.width, config.mlp_width
+    qkv = width * (config.n_heads + 2 * config.n_kv_heads) * config.head_size
+    layer = 2 * width + qkv + width * width + 3 * width * mlp
+    return config.vocab_size * width + config.n_layers * layer + width
 
 
 def preset_summary() -> str:
@@ -200,35 +239,118 @@ def resolve(
     """Defaults, then ``preset``, then ``file``, then the explicit ``model`` and ``run`` values.
 
     ``resume`` is the folder of a run to continue: its stored configuration is the file, and
-    only the flags given to resume it change it.
+    only the flags given to resume it change it. A ``preset`` or ``file`` given with it (the
+    command line that started the run, rerun) is accepted where it gives the run's own values;
+    a value of its own applies where a resume may change it and is refused elsewhere.
     """
-    if resume is not None:
-        if preset is not None or file is not None:
-            raise ValueError(
-                "--resume takes the run's own configuration: drop --preset and --config"
-            )
-        file = Path(resume) / CONFIG_FILE
-        if not file.is_file():
-            raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
     model_fields = {f.name for f in fields(ModelConfig)}
     run_fields = {f.name for f in fields(RunConfig)}
+    if resume is not None:
+        stored = Path(resume) / CONFIG_FILE
+        if not stored.is_file():
+            raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
+        model, run = _resumed_flags(read_file(stored), preset, file, model or {}, run or {})
+        preset, file = None, stored
     content = read_file(file) if file is not None else {}
-    model_values = dict(PRESETS[preset or DEFAULT_PRESET])
-    model_values |= _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
-    model_values |= model or {}
+    given = _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
+    given = given | (model or {})
+    model_values = dict(PRESETS[preset or DEFAULT_PRESET]) | given
     run_values = _checked_keys(content.get("run", {}), run_fields, f"config {file} [run]")
     if resume is not None:
         run_values = BEFORE_FIELD | run_values
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
+    if run_config.init_from is not None and resume is None:
+        model_values = _imported_model(run_config.init_from, preset, given)
+        run_config = imported_tokenizer(run_config, model_values["vocab_size"], run_values)
     model_values.setdefault("max_length", run_config.length)
+    if run_config.tokenizer == "bpe":
+        model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
     if run_config.context_parallel:
         model_values["attention"] = "ring"
     model_config = model_from_dict(model_values)
+    if resume is not None:  # a departure from the run is named as such, before other rules
+        check_resumable(content, model_config, run_config)
     check_compatible(model_config, run_config)
     return model_config, run_config
+
+
+def _imported_model(folder: str, preset: str | None, given: dict) -> dict:
+    """The model values of a run that starts from the transformers folder ``folder``: the
+    folder's config, run as ``given`` says (the runtime fields: attention, block, kernel,
+    dropout); ValueError for a preset, or a given value the folder's config departs from."""
+    from octlm.integrations.llama_format import read_config  # safetensors, only for this
+
+    if preset is not None:
+        raise ValueError("--init-from takes the model from the folder's config.json: drop --preset")
+    values = read_config(folder)
+    imported = asdict(model_from_dict(values))
+    runtime = {name: value for name, value in given.items() if name in INTERCHANGEABLE}
+    departing = [
+        f"{name}={value!r} (the folder's is {imported[name]!r})"
+        for name, value in given.items()
+        if name not in INTERCHANGEABLE and value != imported[name]
+    ]
+    if departing:
+        raise ValueError(
+            f"--init-from {folder!r} takes the model from the folder's config.json, which "
+            f"these values depart from: {'; '.join(departing)}"
+        )
+    return values | runtime
+
+
+def imported_tokenizer(run: RunConfig, vocab_size: int, given: dict | None = None) -> RunConfig:
+    """The run as it starts from ``run.init_from``: with the folder's tokenizer (bytes, or the
+    byte-level BPE its weights were trained with); ValueError for another ``--tokenizer``."""
+    from octlm.integrations.tokenizer_files import bpe_file
+
+    name = "bytes" if bpe_file(run.init_from, vocab_size) is None else "bpe"
+    if (given or {}).get("tokenizer", name) != name:
+        raise ValueError(
+            f"--init-from {run.init_from!r} brings its own tokenizer ({name}): drop "
+            f"--tokenizer {given['tokenizer']}"
+        )
+    return dataclasses.replace(run, tokenizer=name)
+
+
+def _resumed_flags(stored: dict, preset, file, model: dict, run: dict) -> tuple[dict, dict]:
+    """The ``model`` and ``run`` values a resume applies over the run's ``stored`` configuration:
+    the flags, and what ``preset`` and ``file`` set that a resume may change. What they set
+    that it may not change must be the run's own value, or a ValueError names it."""
+    given = {}  # (table, field) -> (value, where it comes from)
+    if preset is not None:
+        given |= {
+            ("model", name): (value, f"--preset {preset}")
+            for name, value in PRESETS[preset].items()
+        }
+    if file is not None:
+        content = read_file(file)
+        for table, dataclass_ in (("model", ModelConfig), ("run", RunConfig)):
+            known = {f.name for f in fields(dataclass_)}
+            values = _checked_keys(content.get(table, {}), known, f"config {file} [{table}]")
+            given |= {(table, name): (value, f"--config {file}") for name, value in values.items()}
+    defaults = _as_json(to_dict(ModelConfig(), RunConfig()))
+    changes = {"model": {}, "run": {}}
+    for (table, name), (value, source) in given.items():
+        if name in (model if table == "model" else run):
+            continue  # the flag wins, as in a new run; check_resumable judges it
+        was = stored.get(table, {}).get(name, defaults[table][name])
+        if _as_json(value) == was:
+            continue
+        if name not in (INTERCHANGEABLE if table == "model" else RESUMABLE):
+            raise ValueError(
+                f"--resume: {source} sets {table}.{name} to {value!r}, and the run's "
+                f"{CONFIG_FILE} has {was!r}; a resumed run keeps it"
+            )
+        changes[table][name] = value
+    return changes["model"] | model, changes["run"] | run
+
+
+def _as_json(value):
+    """``value`` as JSON gives it back (tuples become lists), to compare with ``config.json``."""
+    return json.loads(json.dumps(value))
 
 
 def stored_model(folder: str | Path) -> ModelConfig:
@@ -249,8 +371,9 @@ def model_from_dict(values: dict) -> ModelConfig:
 
 
 def prompt_bytes(prompt: object) -> bytes:
-    """A prompt's bytes, the model's tokens; ``ValueError`` unless it is non-empty text that
-    UTF-8 can encode (a shell hands undecodable argument bytes over as lone surrogates)."""
+    """A prompt's bytes, which the run's tokenizer encodes; ``ValueError`` unless it is
+    non-empty text that UTF-8 can encode (a shell hands undecodable argument bytes over as
+    lone surrogates)."""
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
     try:
@@ -261,8 +384,14 @@ def prompt_bytes(prompt: object) -> bytes:
 
 def check_compatible(model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError where the model and the run disagree."""
-    if model.vocab_size != VOCAB:  # a larger one could sample tokens that are no byte
-        raise ValueError(f"byte tokens need vocab_size {VOCAB}, got {model.vocab_size}")
+    # The model's vocabulary is the tokenizer's: a larger one could sample tokens it lacks.
+    if run.tokenizer == "bytes" and model.vocab_size != BYTE_VOCAB:
+        raise ValueError(
+            f"byte tokens need vocab_size {BYTE_VOCAB}, got {model.vocab_size} (--tokenizer bpe "
+            "learns a larger vocabulary)"
+        )
+    if run.tokenizer == "bpe":
+        check_bpe_vocab_size(model.vocab_size)
     if run.length > model.max_length:
         raise ValueError(f"length ({run.length}) exceeds max_length ({model.max_length})")
     if run.sample_tokens and model.max_length < 2:
@@ -289,8 +418,9 @@ def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
     A field ``stored`` lacks (the run is older than the field) had its ``BEFORE_FIELD`` value,
     else its default.
     """
-    resolved = json.loads(json.dumps(to_dict(model, run)))
-    defaults = json.loads(json.dumps(to_dict(ModelConfig(), RunConfig())))
+    resolved = _as_json(to_dict(model, run))
+    # The stored model resolved: a field it predates gets the default its own sizes imply.
+    defaults = _as_json(to_dict(model_from_dict(stored["model"]), RunConfig()))
     defaults["run"] |= BEFORE_FIELD
     differences = [
         f"{table}.{name}: {was!r} in the run, {value!r} now"
@@ -328,7 +458,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     model_group = parser.add_argument_group("model (default: the preset's, else ModelConfig's)")
     for field in fields(ModelConfig):
-        extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
+        if field.type == "bool":
+            extras = {"action": argparse.BooleanOptionalAction}
+        else:
+            extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
         if field.name == "block":
             extras = {"type": int, "nargs": "+", "metavar": "B", "help": "B, or BLOCK_Q BLOCK_K"}
         if field.name == "attention":

@@ -1,4 +1,4 @@
-"""Byte-level training data: text files -> one uint8 token file per split, memory-mapped.
+"""Training data: text files -> one token file per split, memory-mapped.
 
 A corpus is one text file or a folder of files matched by a recursive glob; each file is a
 document. A document goes to validation when a hash of its path (relative to the corpus root)
@@ -6,10 +6,14 @@ falls below the validation share, so the split is the same on every machine and 
 whatever order the files are found in. A single file is one document: its last ``val_share`` of
 bytes is held out instead.
 
-Tokens are the bytes themselves (vocabulary 256). They are written once to ``train.bin`` and
-``val.bin`` and read back with ``torch.from_file``, a memory map: a corpus larger than memory
-costs only the pages that batches touch. Beside each, ``train.starts.bin`` and
-``val.starts.bin`` hold where each document starts (int64 offsets), for packed batches.
+Tokens are the bytes themselves (vocabulary 256), or the ids of the run's BPE
+(:mod:`octlm.tokenizer`), which encodes each document on its own, so documents start on token
+boundaries. They are written once to ``train.bin`` and ``val.bin`` as unsigned ints of the
+smallest width that holds the vocabulary (uint8 for bytes, uint16 up to 65,536 tokens; the
+dtype is in ``data.json``) and read back with ``torch.from_file``, a memory map: a corpus
+larger than memory costs only the pages that batches touch. Beside each, ``train.starts.bin``
+and ``val.starts.bin`` hold where each document starts (int64 offsets, in tokens), for packed
+batches.
 
 A batch's rows are either random windows of the token stream (``Batches``), which may straddle
 documents, or whole documents packed into rows and kept apart by ``document_ids``
@@ -23,6 +27,7 @@ import json
 import os
 import sysconfig
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -30,7 +35,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-VOCAB = 256
+from octlm.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer
+
 SPLITS = ("train", "val")
 DEFAULT_GLOB = "**/*.txt"
 STDLIB_GLOB = "**/*.py"
@@ -45,11 +51,21 @@ OWN_FILES = frozenset(
     | {f".{split}.bin.tmp" for split in SPLITS}
 )
 IGNORED = -100  # a target that counts for nothing (F.cross_entropy's default ignore_index)
+# Token file dtypes, narrowest first, and the array typecode of each width.
+DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32}
+TYPECODES = {1: "B", 2: "H", 4: next(code for code in "IL" if array(code).itemsize == 4)}
 
 
 def default_corpus() -> tuple[Path, str]:
     """The running interpreter's standard library sources: real text on every machine."""
     return Path(sysconfig.get_paths()["stdlib"]), STDLIB_GLOB
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest token file dtype that holds every id below ``vocab_size``."""
+    if not 1 <= vocab_size <= MAX_VOCAB:
+        raise ValueError(f"vocab_size must be in [1, 2**32] for token files, got {vocab_size}")
+    return next(name for name, dtype in DTYPES.items() if vocab_size - 1 <= torch.iinfo(dtype).max)
 
 
 def find_documents(path: str | os.PathLike, glob: str) -> list[Path]:
@@ -91,29 +107,63 @@ def held_out(relatives: list[Path], val_share: float) -> set[Path]:
     return chosen
 
 
-def write_tokens(
-    path: str | os.PathLike, glob: str, val_share: float, folder: str | os.PathLike
-) -> dict:
-    """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus, and where each
-    document starts in them (``folder/train.starts.bin``, ``folder/val.starts.bin``); return the
-    corpus's summary.
-
-    The summary (also saved as ``folder/data.json``) counts documents and bytes per split and
-    the empty files skipped. Raises ValueError for an empty corpus or an empty split.
-    """
-    path, folder = Path(path), Path(folder)
+def _corpus(path: str | os.PathLike, glob: str, val_share: float):
+    """The corpus root, its documents, and those of them held out (none for a single file)."""
+    path = Path(path)
     documents = find_documents(path, glob)
-    folder.mkdir(parents=True, exist_ok=True)
-    summary = {"source": str(path), "glob": glob, "val_share": val_share, "empty_skipped": 0}
-    summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
     validation = (
         held_out([d.relative_to(path) for d in documents if d.stat().st_size], val_share)
         if path.is_dir()
         else set()
     )
+    return path, documents, validation
+
+
+def _parts(path: Path, document: Path, text: bytes, validation, val_share) -> dict[str, bytes]:
+    """Where a document's bytes go: its split, or for a single file, head and tail."""
+    if path.is_file():  # one document: hold out its tail
+        cut = len(text) - int(len(text) * val_share)
+        return {"train": text[:cut], "val": text[cut:]}
+    return {"val" if document.relative_to(path) in validation else "train": text}
+
+
+def training_texts(path: str | os.PathLike, glob: str, val_share: float) -> Iterator[bytes]:
+    """The bytes of each training document (of a single file, its head), in corpus order:
+    what a tokenizer learns from, so that validation text stays unseen."""
+    path, documents, validation = _corpus(path, glob, val_share)
+    for document in documents:
+        part = _parts(path, document, document.read_bytes(), validation, val_share).get("train")
+        if part:
+            yield part
+
+
+def write_tokens(
+    path: str | os.PathLike,
+    glob: str,
+    val_share: float,
+    folder: str | os.PathLike,
+    tokenizer: ByteTokenizer | BPETokenizer | None = None,
+) -> dict:
+    """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus, encoded by
+    ``tokenizer`` (default: bytes), and where each document starts in them
+    (``folder/train.starts.bin``, ``folder/val.starts.bin``); return the corpus's summary.
+
+    The summary (also saved as ``folder/data.json``) counts documents, bytes and tokens per
+    split and the empty files skipped, and names the tokenizer, its vocabulary and the token
+    dtype. Raises ValueError for an empty corpus or an empty split.
+    """
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    folder = Path(folder)
+    path, documents, validation = _corpus(path, glob, val_share)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {"source": str(path), "glob": glob, "val_share": val_share, "empty_skipped": 0}
+    summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
+    summary |= {f"{split}_tokens": 0 for split in SPLITS}
+    summary |= {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size}
+    summary["dtype"] = token_dtype(tokenizer.vocab_size)
     temporary = {split: folder / f".{split}.bin.tmp" for split in SPLITS}
     try:
-        summary = _write_splits(path, documents, validation, summary, temporary)
+        summary = _write_splits(path, documents, validation, summary, temporary, tokenizer)
     except BaseException:  # nothing half-written stays behind
         for file in temporary.values():
             file.unlink(missing_ok=True)
@@ -124,10 +174,11 @@ def write_tokens(
     return summary
 
 
-def _write_splits(path, documents, validation, summary, temporary) -> dict:
-    """Write each split's bytes to its ``temporary`` file and its document offsets to their
+def _write_splits(path, documents, validation, summary, temporary, tokenizer) -> dict:
+    """Write each split's tokens to its ``temporary`` file and its document offsets to their
     final place; the summary counted, or a ValueError for an empty corpus or split."""
     folder, val_share = next(iter(temporary.values())).parent, summary["val_share"]
+    typecode = TYPECODES[DTYPES[summary["dtype"]].itemsize]
     outputs = {split: file.open("wb") for split, file in temporary.items()}
     starts = {split: array("q") for split in SPLITS}  # int64 offsets of documents
     try:
@@ -136,19 +187,16 @@ def _write_splits(path, documents, validation, summary, temporary) -> dict:
             if not text:
                 summary["empty_skipped"] += 1
                 continue
-            if path.is_file():  # one document: hold out its tail
-                cut = len(text) - int(len(text) * val_share)
-                parts = {"train": text[:cut], "val": text[cut:]}
-            else:
-                split = "val" if document.relative_to(path) in validation else "train"
-                parts = {split: text}
-            for split, part in parts.items():
+            for split, part in _parts(path, document, text, validation, val_share).items():
                 if not part:  # a file too short to hold out a tail: no document there
                     continue
-                starts[split].append(summary[f"{split}_bytes"])
-                outputs[split].write(part)
+                # byte tokens are the bytes themselves: written as they are
+                ids = part if tokenizer.name == "bytes" else array(typecode, tokenizer.encode(part))
+                starts[split].append(summary[f"{split}_tokens"])
+                outputs[split].write(ids)
                 summary[f"{split}_documents"] += 1
                 summary[f"{split}_bytes"] += len(part)
+                summary[f"{split}_tokens"] += len(ids)
     finally:
         for output in outputs.values():
             output.close()
@@ -167,7 +215,8 @@ def _write_splits(path, documents, validation, summary, temporary) -> dict:
 
 
 def read_summary(folder: str | os.PathLike) -> dict | None:
-    """The summary of tokens already written to ``folder``, or None if there is none."""
+    """The summary of tokens already written to ``folder``, or None if there is none. One
+    written before BPE existed is of byte tokens, and gets their fields."""
     path = Path(folder) / SUMMARY
     if not path.exists():
         return None
@@ -184,6 +233,19 @@ def read_summary(folder: str | os.PathLike) -> dict | None:
         raise ValueError(
             f"{str(path)!r} is damaged (expected source and {', '.join(counts)}); start the "
             "run again"
+        )
+    byte_fields = {"tokenizer": "bytes", "vocab_size": ByteTokenizer.vocab_size, "dtype": "uint8"}
+    byte_fields |= {f"{split}_tokens": summary[f"{split}_bytes"] for split in SPLITS}
+    summary = byte_fields | summary
+    numbers = [summary[f"{split}_tokens"] for split in SPLITS] + [summary["vocab_size"]]
+    if (
+        summary["dtype"] not in DTYPES
+        or not isinstance(summary["tokenizer"], str)
+        or not all(isinstance(value, int) and value >= 0 for value in numbers)
+    ):
+        raise ValueError(
+            f"{str(path)!r} is damaged (expected tokenizer, vocab_size, dtype among "
+            f"{', '.join(DTYPES)} and token counts); start the run again"
         )
     return summary
 
@@ -202,17 +264,20 @@ def _checked_file(folder: Path, name: str, size: int | None) -> Path:
 
 
 def load_tokens(folder: str | os.PathLike, split: str, length: int) -> Tensor:
-    """The memory-mapped uint8 tokens ``(N,)`` of one split, checked against the folder's
-    summary and to hold a sequence."""
+    """The memory-mapped tokens ``(N,)`` of one split (of the dtype the folder's summary
+    names; uint8 without one), checked against the summary and to hold a sequence."""
     summary = read_summary(folder) or {}
-    path = _checked_file(Path(folder), f"{split}.bin", summary.get(f"{split}_bytes"))
-    size = path.stat().st_size
+    dtype = DTYPES[summary.get("dtype", "uint8")]
+    tokens = summary.get(f"{split}_tokens")
+    width = dtype.itemsize
+    path = _checked_file(Path(folder), f"{split}.bin", None if tokens is None else tokens * width)
+    size = path.stat().st_size // width
     if size <= length:
         raise ValueError(
-            f"the {split} split has {size} bytes, too few for one sequence of length {length} "
+            f"the {split} split has {size} tokens, too few for one sequence of length {length} "
             "plus its next-token target; use more data or a smaller --length"
         )
-    return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=False, size=size, dtype=dtype)
 
 
 def load_starts(folder: str | os.PathLike, split: str) -> Tensor:
@@ -224,7 +289,7 @@ def load_starts(folder: str | os.PathLike, split: str) -> Tensor:
             "offsets, which packing needs; start a new run (or --overwrite this one)"
         )
     summary = read_summary(folder) or {}
-    documents, size = summary.get(f"{split}_documents"), summary.get(f"{split}_bytes")
+    documents, size = summary.get(f"{split}_documents"), summary.get(f"{split}_tokens")
     _checked_file(Path(folder), path.name, None if documents is None else 8 * documents)
     if path.stat().st_size % 8:
         raise ValueError(f"{str(path)!r} is damaged (not whole int64 offsets); start again")
@@ -261,7 +326,7 @@ class Batches:
     run continues with the very batches the uninterrupted run would have drawn.
     """
 
-    tokens: Tensor  # (N,) uint8
+    tokens: Tensor  # (N,) unsigned ints
     length: int
     seed: int
 

@@ -8,8 +8,8 @@ Under ``torchrun`` a run uses its ``W`` processes one of three ways:
 - ``fsdp``: the same split, with parameters, gradients and optimizer state sharded by FSDP2
   (``fully_shard`` on every block, then on the model).
 - ``context``: every rank takes the whole batch but only its zigzag shard of the positions;
-  ring attention passes keys and values around (:mod:`octlm.parallel`), and the ranks' shares
-  of the loss and of the gradients add up to one process's.
+  ring attention passes keys and values around (:mod:`octlm.context_parallel`), and the
+  ranks' shares of the loss and of the gradients add up to one process's.
 
 State goes in and out as full, unsharded dicts keyed by parameter name
 (``torch.distributed.checkpoint.state_dict``), so every mode reads every mode's checkpoints.
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from octlm.context_parallel import reduce_gradients
 from octlm.model import OctLM
-from octlm.parallel import reduce_gradients
 from octlm.training.config import parse_device
 
 MODES = ("single", "ddp", "fsdp", "context")
@@ -96,10 +96,6 @@ class Cluster:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
 
 
 def setup(device: str | None, *, fsdp: bool, context_parallel: bool) -> Cluster:

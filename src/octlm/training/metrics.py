@@ -6,10 +6,14 @@ writes under a new one). A diverged run's losses are NaN or infinite and are kep
 Lines are of two kinds:
 
 - ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
-  whole global batch), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
-  ``memory_metric`` and ``peak_bytes``;
-- ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss``,
-  ``val_bits_per_byte`` and ``sample`` (bytes generated from the fixed prompt).
+  whole global batch, in nats per token), ``bits_per_byte`` (the same loss over the bytes its
+  targets stand for), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
+  ``train_seconds`` (training time so far, over every launch, evaluations excluded: what a
+  time budget spends), ``memory_metric`` and ``peak_bytes``;
+- ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss`` (nats per
+  token), ``val_bits_per_byte`` (the summed token losses over the bytes they stand for, so
+  runs of any tokenizer compare), ``sample`` (text generated from the fixed prompt) and
+  ``train_seconds``.
 """
 
 from __future__ import annotations
@@ -80,7 +84,9 @@ def plot(folder: str | os.PathLike) -> Path:
     evals = [r for r in found if r.get("kind") == "eval"]
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     log2 = 0.6931471805599453
-    axes.plot([r["step"] for r in steps], [r["loss"] / log2 for r in steps], label="train")
+    # Records written before bits_per_byte existed are of byte tokens: loss / log 2 is that.
+    train = [r.get("bits_per_byte", r["loss"] / log2) for r in steps]
+    axes.plot([r["step"] for r in steps], train, label="train")
     axes.plot(
         [r["step"] for r in evals],
         [r["val_bits_per_byte"] for r in evals],
@@ -89,7 +95,7 @@ def plot(folder: str | os.PathLike) -> Path:
     )
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss (bits per byte)")
-    axes.set_title(f"{folder.name}: byte-level next-token loss")
+    axes.set_title(f"{folder.name}: next-token loss")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()

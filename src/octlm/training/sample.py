@@ -1,22 +1,20 @@
-"""Text from a trained model: the latest checkpoint of a run folder, decoded with the KV cache."""
+"""Text from a trained model, decoded with the KV cache (``octlm.load_run`` reads a run folder)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from octlm.model import ModelConfig, OctLM
-from octlm.training import checkpoint
-from octlm.training.config import prompt_bytes, stored_model
-from octlm.training.distributed import local_device
+from octlm.tokenizer import BPETokenizer, ByteTokenizer
+from octlm.training.config import prompt_bytes
 
 
 def single_process(config: ModelConfig) -> ModelConfig:
-    """The config to run a model in one process: ring attention's local twin is tiled."""
-    return replace(config, attention="tiled") if config.attention == "ring" else config
+    """The config to run a model in one process: ring attention's local twin is tiled, run by
+    auto where sdpa is faster (decoding a token)."""
+    return replace(config, attention="auto") if config.attention == "ring" else config
 
 
 def generate_text(
@@ -27,24 +25,32 @@ def generate_text(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
+    tokenizer: ByteTokenizer | BPETokenizer | None = None,
 ) -> str:
-    """``prompt`` continued by ``max_new_tokens`` bytes, decoded as UTF-8 (bad bytes replaced).
+    """``prompt`` continued by ``max_new_tokens`` tokens, encoded and decoded by the model's
+    ``tokenizer`` (default: bytes), as UTF-8 text (bad bytes replaced).
 
     The model knows positions up to ``max_length`` only, so a longer text is decoded in
     windows: when one is full, decoding starts again (a new KV cache) from the last
-    ``max_length // 2`` bytes, as nanoGPT crops its context.
+    ``max_length // 2`` tokens, as nanoGPT crops its context.
     """
-    encoded = prompt_bytes(prompt)
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size} tokens and the model "
+            f"{model.config.vocab_size}: use the tokenizer of the model's run (load_tokenizer)"
+        )
+    encoded = tokenizer.encode(prompt_bytes(prompt))
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if max_new_tokens and model.config.max_length < 2:
         raise ValueError(
-            "generating text needs max_length >= 2 (a byte of context and the next one), got "
+            "generating text needs max_length >= 2 (a token of context and the next one), got "
             f"{model.config.max_length}"
         )
     device = next(model.parameters()).device
     limit = model.config.max_length
-    tokens = torch.tensor([list(encoded)], device=device)  # (1, P)
+    tokens = torch.tensor([encoded], device=device)  # (1, P)
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -59,22 +65,4 @@ def generate_text(
             new += count
     finally:
         model.train(was_training)
-    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
-
-
-def load_run(folder: str | os.PathLike, device: str = "cpu") -> tuple[OctLM, int]:
-    """The model of a run folder at its latest checkpoint, and that checkpoint's step. A run
-    trained with the Triton kernel runs its PyTorch twin off CUDA (the same function)."""
-    folder = Path(folder)
-    model_config = stored_model(folder)
-    path = checkpoint.latest(folder)
-    if path is None:
-        raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
-    state = checkpoint.load(path, model_config)
-    device = local_device(device)
-    config = single_process(model_config)
-    if device.type != "cuda" and config.kernel == "triton":  # a GPU run sampled on a CPU
-        config = replace(config, kernel="pytorch")  # the same function, in PyTorch
-    model = OctLM(config)
-    model.load_state_dict(state["model"])
-    return model.to(device), state["step"]
+    return tokenizer.decode(tokens[0].tolist()).decode("utf-8", errors="replace")

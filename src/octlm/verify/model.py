@@ -13,16 +13,16 @@ from torch import Tensor
 from octlm.attention import IMPLEMENTATIONS
 from octlm.equality import GRADIENT_FACTOR, judge, max_abs_diff
 from octlm.model import KVCache, ModelConfig, OctLM
-from octlm.train import train
 from octlm.verify.cases import Case, outcome, record
+from octlm.verify.loss_curve import loss_curve
 from octlm.verify.plan import Plan
 
 # The implementations one process can run; ring is checked in its own distributed tests.
 SINGLE_PROCESS = tuple(name for name, impl in IMPLEMENTATIONS.items() if not impl.distributed)
-# Two float32 loss curves are "the same" when they differ by what float32 rounding explains.
-# Over 20 steps that is ~1e-6 relative (naive in float32 vs float64 differ by 2e-6 on a 2-core
-# CPU); 1e-4 leaves room for other machines, while a wrong gradient shows at 1e-2 (a tiled
-# backward that ignored strided values moved the curve by 2e-2).
+# Two float32 loss curves are "the same" when they differ by what float32 rounding explains:
+# over 20 steps about 1e-6 relative, the distance of naive in float32 from naive in float64,
+# which each record carries beside it. 1e-4 leaves room for other machines' rounding, while a
+# wrong gradient moves a curve by about 1e-2.
 TRAINING_TOLERANCE = 1e-4
 
 
@@ -48,9 +48,10 @@ def _model_case(plan: Plan, config: ModelConfig, length: int) -> Case:
 
 
 def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
-    """The whole model, identical weights, through sdpa and tiled vs naive: logits and every
-    parameter's gradient of the cross-entropy, at each number of KV heads (the Day 2 note's 1.1e-6).
-    Gradients are judged parameter by parameter; the record names the worst one."""
+    """The whole model, identical weights, through sdpa, tiled and auto vs naive: logits and
+    every parameter's gradient of the cross-entropy, at each number of KV heads
+    (``max_abs_diff``: the logits' largest difference from naive's). Gradients are judged
+    parameter by parameter; the record names the worst one."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(256, (plan.model_batch, plan.model_length + 1), generator=generator)
     inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -63,7 +64,9 @@ def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) ->
         )
         for dtype in dtypes:
             base = _logits_and_grads(_model(config, "naive", state, device, dtype), inputs, targets)
-            for name in ("sdpa", "tiled"):
+            for name in SINGLE_PROCESS:
+                if name == "naive":
+                    continue  # the base
                 model = _model(config, name, state, device, dtype)
                 logits, grads = _logits_and_grads(model, inputs, targets)
                 verdict = judge(logits, base[0], reference[0])
@@ -151,12 +154,14 @@ def _greedy(
 
 def training(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
     """The same RNG seed, weights and batches give the same float32 loss curve through every
-    attention. ``train`` runs on the CPU, whatever ``device`` is."""
+    attention. ``loss_curve`` runs on the CPU, whatever ``device`` is."""
     config = ModelConfig(**plan.model, n_kv_heads=2, attention="naive")
     case = replace(_model_case(plan, config, plan.train_length), batch=plan.train_batch)
     options = dict(steps=plan.train_steps, batch=plan.train_batch, length=plan.train_length)
-    reference = train(config, dtype=torch.float64, **options)
-    curves = {name: train(replace(config, attention=name), **options) for name in SINGLE_PROCESS}
+    reference = loss_curve(config, dtype=torch.float64, **options)
+    curves = {
+        name: loss_curve(replace(config, attention=name), **options) for name in SINGLE_PROCESS
+    }
     naive_rounding = _relative(curves["naive"], reference)  # float32 against float64
     for name, curve in curves.items():
         relative = _relative(curve, curves["naive"])

@@ -18,7 +18,7 @@ DTYPES = {
 class Plan:
     """The sizes one run covers: :data:`FULL`, :data:`QUICK` (``--quick``), or smaller."""
 
-    lengths: tuple[int, ...]  # tiled vs sdpa, the Day 2 note's table
+    lengths: tuple[int, ...]  # tiled vs sdpa, the reference grid's lengths
     blocks: tuple[int, ...]
     invariance_length: int
     invariance_blocks: tuple[int | tuple[int, int], ...]

@@ -6,9 +6,9 @@ after 2 warm-ups, wall and CPU seconds, the load average). Which octlm it measur
 ``PYTHONPATH`` puts first, so two revisions can be interleaved round by round::
 
     for round in 1 2 3; do for mode in forward train; do
-      PYTHONPATH=src python scripts/tiled_side_by_side.py flash $mode new >> out.jsonl
-      PYTHONPATH=/path/to/old/src python scripts/tiled_side_by_side.py tiled $mode old >> out.jsonl
-      PYTHONPATH=src python scripts/tiled_side_by_side.py tiled $mode new >> out.jsonl
+      PYTHONPATH=src python benchmarks/tiled_side_by_side.py flash $mode new >> out.jsonl
+      PYTHONPATH=old/src python benchmarks/tiled_side_by_side.py tiled $mode old >> out.jsonl
+      PYTHONPATH=src python benchmarks/tiled_side_by_side.py tiled $mode new >> out.jsonl
     done; done
 
 ``runs/checks/tiled-before-after-exactness.jsonl`` was made this way.

@@ -16,8 +16,8 @@ the split ones change PyTorch's thread count while they run (``parallel_map`` se
 back), which slows whatever runs after them, so measure them in a process of their own. Run
 it alone::
 
-    python scripts/decode_split_probe.py --keys 8192 --variants sdpa plain
-    python scripts/decode_split_probe.py --keys 8192 --variants heads keys
+    python benchmarks/decode_split_probe.py --keys 8192 --variants sdpa plain
+    python benchmarks/decode_split_probe.py --keys 8192 --variants heads keys
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ matmul rate (a 4096² ``torch.mm``) for scale. Then what one tile's operations c
 ``--tile`` sets the tile (rows = keys), to see whether a tile that fits in cache helps. Run it
 alone on the machine::
 
-    OMP_NUM_THREADS=1 python scripts/block_step_floor.py --rounds 5
+    OMP_NUM_THREADS=1 python benchmarks/block_step_floor.py --rounds 5
 """
 
 from __future__ import annotations

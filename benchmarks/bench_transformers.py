@@ -1,7 +1,7 @@
 """Prefill and decode speed, and peak memory, of a small transformers Llama with octlm's tiled
 attention against transformers' own SDPA attention, at long contexts on this machine.
 
-    .venv/bin/python scripts/bench_transformers.py            # 4,096 and 16,384 tokens, 3 rounds
+    .venv/bin/python benchmarks/bench_transformers.py            # 4,096 and 16,384 tokens, 3 rounds
 
 Every measurement runs in a fresh process (``ru_maxrss`` is a lifetime peak, so processes
 must not share one), and the implementations are interleaved: each round measures every
@@ -23,13 +23,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections import defaultdict
 
 import torch
 
 from octlm import records
 from octlm.bench import memory
+from octlm.bench.timing import time_calls
 
 EXPERIMENT = "transformers-llama"
 # A small Llama: 2 layers, width 256, 4 query heads of 64 sharing 2 key/value heads.
@@ -54,15 +54,19 @@ def measure(attn: str, length: int, decode: int) -> dict:
         model(input_ids=tokens[:, :64], logits_to_keep=1)  # first-call costs, untimed
         baseline = memory.baseline("cpu")
         cache = DynamicCache(config=config)
-        start = time.perf_counter()
-        logits = model(input_ids=tokens, cache=cache, logits_to_keep=1).logits  # (1, 1, V)
-        prefill = time.perf_counter() - start
+        logits = []
+
+        def fill() -> None:
+            logits.append(model(input_ids=tokens, cache=cache, logits_to_keep=1).logits)
+
+        prefill = sum(time_calls(fill, 1).seconds)  # logits (1, 1, V)
         prefill_peak = memory.peak("cpu")
-        start = time.perf_counter()
-        for _ in range(decode):
-            step = logits[:, -1].argmax(dim=-1, keepdim=True)  # (1, 1)
-            logits = model(input_ids=step, cache=cache, logits_to_keep=1).logits
-        decoding = time.perf_counter() - start
+
+        def step() -> None:
+            token = logits[-1][:, -1].argmax(dim=-1, keepdim=True)  # (1, 1)
+            logits.append(model(input_ids=token, cache=cache, logits_to_keep=1).logits)
+
+        decoding = sum(time_calls(step, decode).seconds)
     peak = memory.peak("cpu")
     return {
         **records.make("check", EXPERIMENT),

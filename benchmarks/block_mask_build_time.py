@@ -6,8 +6,8 @@ min, max) of 7 builds after one warm-up, and of 3 tiled forwards given the map, 
 Which octlm it measures is whatever ``PYTHONPATH`` puts first, so two revisions can be run
 one after the other::
 
-    PYTHONPATH=/path/to/old/src python scripts/block_mask_build_time.py
-    PYTHONPATH=src python scripts/block_mask_build_time.py
+    PYTHONPATH=/path/to/old/src python benchmarks/block_mask_build_time.py
+    PYTHONPATH=src python benchmarks/block_mask_build_time.py
 """
 
 import os

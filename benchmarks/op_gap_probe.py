@@ -9,7 +9,7 @@ machine charges for waking or rescheduling the idle intra-op thread (a virtual m
 host deschedules spinning vCPUs does), and a sequence of separate operations loses to one
 fused kernel by that much per operation::
 
-    python scripts/op_gap_probe.py --keys 8192
+    python benchmarks/op_gap_probe.py --keys 8192
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""A tiny, deterministic training loop: byte-level next-token prediction on shipped prose.
+"""The loss curve verify compares: a tiny, deterministic training loop on shipped prose.
 
-Used by the tests and by ``octlm verify`` to show that every attention implementation trains
-the model the same way: same seed, same weights, same batches, so the same loss curve. It stays
-this bare (plain AdamW, no schedule, any dtype including float64) so that verify can compare
-curves in float64; training a model for real is :mod:`octlm.training` (``octlm train``).
+Byte-level next-token prediction. ``octlm verify`` and the tests use it to show that every
+attention implementation trains the model the same way: same seed, same weights, same
+batches, so the same loss curve. It stays this bare (plain AdamW, no schedule, any dtype
+including float64) so that curves compare in float64; training a model for real is
+:mod:`octlm.training` (``octlm train``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def load_text() -> bytes:
     return (resources.files("octlm") / "data" / "prose.txt").read_bytes()
 
 
-def train(
+def loss_curve(
     config: ModelConfig,
     *,
     steps: int = 20,

@@ -1,0 +1,100 @@
+"""The tokenizer side of a transformers folder, written for octlm's runs and read back.
+
+A byte run's tokens are the UTF-8 bytes of its text (vocabulary 256). Its folder gets a
+``tokenizer.json`` that says exactly that in the ``tokenizers`` format: a BPE with the 256
+byte-level symbols as its whole vocabulary and no merges, so ``encode(text).ids`` are the
+bytes of ``text`` and decoding turns ids back into bytes, then text (invalid UTF-8 becomes
+U+FFFD, as in ``bytes.decode(errors="replace")``). A BPE run's ``tokenizer.json`` goes over as
+it is. ``tokenizer_config.json`` makes ``AutoTokenizer`` read either as a fast tokenizer that
+adds no token of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+try:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+except ImportError as error:
+    raise ImportError(
+        "writing and reading tokenizer files needs tokenizers: pip install tokenizers"
+    ) from error
+
+from octlm.tokenizer import BYTE_VOCAB as BYTES
+from octlm.tokenizer import TOKENIZER_FILE as TOKENIZER
+from octlm.tokenizer import BPETokenizer, byte_symbols, probe_text
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A tokenizer whose ids are the UTF-8 bytes of any text, and which decodes them back."""
+    vocabulary = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def write(folder: str | os.PathLike, bpe: str | os.PathLike | None, max_length: int) -> None:
+    """The tokenizer files of a run: a copy of its BPE ``tokenizer.json``, or with ``bpe`` None
+    the byte tokenizer; and the ``tokenizer_config.json`` that AutoTokenizer reads."""
+    folder = Path(folder)
+    if bpe is None:
+        byte_tokenizer().save(str(folder / TOKENIZER))
+    else:
+        shutil.copyfile(bpe, folder / TOKENIZER)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,  # decoding gives back the text, spaces and all
+    }
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def bpe_file(folder: str | os.PathLike, vocab_size: int) -> Path | None:
+    """The ``tokenizer.json`` of a transformers folder as octlm takes it for a run of
+    ``vocab_size`` tokens: None for byte tokens (no tokenizer and 256 tokens, or a tokenizer
+    whose ids are the bytes), the file itself for a byte-level BPE; ``ValueError`` otherwise."""
+    path = Path(folder) / TOKENIZER
+    if not path.is_file():
+        if vocab_size != BYTES:
+            raise ValueError(
+                f"{str(folder)!r} has no {TOKENIZER} and a vocabulary of {vocab_size}: without "
+                f"a tokenizer octlm's tokens are bytes, {BYTES} of them"
+            )
+        return None
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers reports a malformed file as a bare Exception
+        raise ValueError(f"{str(path)!r} is not a tokenizers file: {error}") from None
+    if _gives_bytes(tokenizer):
+        return None
+    try:
+        BPETokenizer.from_file(path)  # the check a run folder's tokenizer.json passes
+    except ValueError as error:
+        raise ValueError(
+            f"{str(path)!r} is neither a byte tokenizer nor a byte-level BPE that octlm can "
+            f"train with: {error}"
+        ) from None
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(
+            f"{str(path)!r} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
+            f"is {vocab_size}"
+        )
+    return path
+
+
+def _gives_bytes(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` maps text to its UTF-8 bytes and back, on text that holds every
+    byte UTF-8 text can hold."""
+    probe = probe_text()
+    ids = tokenizer.encode(probe).ids
+    return (
+        tokenizer.get_vocab_size() == BYTES
+        and ids == list(probe.encode())
+        and tokenizer.decode(ids) == probe
+    )

@@ -1,0 +1,281 @@
+"""A training run's tokenizer: bytes (the default), or a byte-level BPE trained on its data.
+
+Both map any bytes to token ids and back without loss: ``decode(encode(data)) == data``.
+
+``ByteTokenizer``: each byte is one token, its id the byte's value (vocabulary 256).
+
+``BPETokenizer``: GPT-2's byte-level BPE, trained with the ``tokenizers`` library and kept in
+the run folder as ``tokenizer.json``, a standard file of that library. Its ByteLevel
+pre-tokenizer (no prefix space) writes each UTF-8 byte as one of 256 printable symbols, all
+256 of which are in the vocabulary, so every byte is a token; merges join frequent pairs of
+symbols; the ByteLevel decoder reads the symbols back. There is no normaliser and no special
+token, so for any text the file's own ``Tokenizer.encode(text).ids`` equals
+``encode(text.encode("utf-8"))`` and its ``decode`` of those ids gives the text back.
+
+Bytes that are not UTF-8: ``tokenizers`` takes text only, so ``encode`` cuts the data into
+its maximal valid UTF-8 runs and the single bytes between them (the bytes Python's
+``surrogateescape`` escapes). The runs go through the BPE; each other byte becomes the token
+of its own symbol. ``decode`` writes every token's symbols back as bytes, whatever they
+spell, so the bytes come back exactly, valid UTF-8 or not.
+
+``load_tokenizer(folder)`` gives a run folder's tokenizer: a folder with ``tokenizer.json`` is
+a BPE run, one without is a byte run. ``tokenizers`` is imported on the BPE paths only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+NAMES = ("bytes", "bpe")
+BYTE_VOCAB = 256
+DEFAULT_BPE_VOCAB = 4096
+MAX_VOCAB = 2**32  # token files hold ids in at most 32 bits
+TOKENIZER_FILE = "tokenizer.json"
+STORING = f".{TOKENIZER_FILE}.tmp"  # tokenizer.json while it is written (then renamed)
+# One byte that is not UTF-8, as decoding with surrogateescape leaves it (U+DC80..U+DCFF).
+ESCAPED = re.compile("([\udc80-\udcff])")
+
+
+def byte_symbols() -> list[str]:
+    """The symbol byte-level BPE writes for each byte (index: the byte's value).
+
+    Bytes that are printable in Latin-1 stand for themselves; the others, in byte order, for
+    the code points from 256 up, so that no symbol is a space or a control character.
+    """
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    symbols, spare = [], 256
+    for byte in range(BYTE_VOCAB):
+        if byte in printable:
+            symbols.append(chr(byte))
+        else:
+            symbols.append(chr(spare))
+            spare += 1
+    return symbols
+
+
+def check_bpe_vocab_size(vocab_size: object) -> int:
+    """``vocab_size`` if a BPE may have it: the 256 byte symbols, at least one merge, and ids
+    that token files can hold; ``ValueError`` otherwise."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
+    if not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
+        raise ValueError(
+            f"a BPE vocab_size must be above {BYTE_VOCAB} (the {BYTE_VOCAB} byte symbols and at "
+            f"least one merge) and at most 2**32, got {vocab_size}"
+        )
+    return vocab_size
+
+
+def _checked_data(data: object) -> bytes:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    return bytes(data)
+
+
+def _checked_ids(ids: object, vocab_size: int) -> list[int]:
+    """``ids`` (a sequence of ints or a 1-D integer tensor) as a list of ints below
+    ``vocab_size``; ``TypeError`` or ``ValueError`` naming what is wrong."""
+    if isinstance(ids, Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise TypeError(f"ids must be a 1-D integer tensor, got {ids.dim()}-D {ids.dtype}")
+        ids = ids.tolist()
+    elif isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids must be a sequence of ints or a 1-D tensor, got {type(ids).__name__}")
+    ids = list(ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        wrong = next(i for i in ids if not isinstance(i, int) or isinstance(i, bool))
+        raise TypeError(f"ids must be ints, got {wrong!r}")
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        raise ValueError(f"ids must lie in [0, {vocab_size}), got {min(ids)}..{max(ids)}")
+    return ids
+
+
+class ByteTokenizer:
+    """Bytes as tokens: the id of a byte is its value."""
+
+    name = "bytes"
+    vocab_size = BYTE_VOCAB
+
+    def encode(self, data: bytes) -> list[int]:
+        return list(_checked_data(data))
+
+    def decode(self, ids) -> bytes:
+        return bytes(_checked_ids(ids, self.vocab_size))
+
+    @property
+    def token_bytes(self) -> Tensor:
+        """How many bytes each token stands for ``(V,)`` int64: one."""
+        return torch.ones(self.vocab_size, dtype=torch.int64)
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """Nothing to write: a run folder without ``tokenizer.json`` is a byte run."""
+
+
+class BPETokenizer:
+    """Byte-level BPE over a ``tokenizers.Tokenizer`` (see the module docstring)."""
+
+    name = "bpe"
+
+    def __init__(self, tokenizer, where: str = "the tokenizer"):
+        _check_byte_level(json.loads(tokenizer.to_str()), where)
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        vocabulary = tokenizer.get_vocab()  # symbols -> id
+        if sorted(vocabulary.values()) != list(range(self.vocab_size)):
+            raise ValueError(f"{where}: its ids are not 0..{self.vocab_size - 1}, one each")
+        symbols = byte_symbols()
+        missing = [byte for byte, symbol in enumerate(symbols) if symbol not in vocabulary]
+        if missing:
+            raise ValueError(
+                f"{where}: {len(missing)} of the {BYTE_VOCAB} byte symbols are not in its "
+                f"vocabulary (byte {missing[0]} first), so some bytes have no token"
+            )
+        probe = probe_text()
+        if tokenizer.decode(tokenizer.encode(probe).ids) != probe:
+            raise ValueError(
+                f"{where} is not a byte-level BPE as octlm trains it (check decoding): decoding "
+                "its tokens does not give the text back"
+            )
+        self._byte_ids = [vocabulary[symbol] for symbol in symbols]  # byte -> id
+        value = {symbol: byte for byte, symbol in enumerate(symbols)}
+        self._pieces = [b""] * self.vocab_size  # id -> the bytes it stands for
+        for token, index in vocabulary.items():
+            if not all(character in value for character in token):
+                raise ValueError(f"{where}: token {token!r} is not made of byte symbols")
+            self._pieces[index] = bytes(value[character] for character in token)
+
+    @classmethod
+    def train(cls, texts: Iterable[bytes], vocab_size: int) -> BPETokenizer:
+        """A BPE of ``vocab_size`` tokens learned from ``texts``; ``ValueError`` when they hold
+        too few distinct pairs to merge that many."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        check_bpe_vocab_size(vocab_size)
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=False, special_tokens=[],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )  # fmt: skip
+        runs = (run for data in texts for run in _valid_runs(_checked_data(data))[::2] if run)
+        tokenizer.train_from_iterator(runs, trainer=trainer)
+        learned = tokenizer.get_vocab_size()
+        if learned < vocab_size:
+            raise ValueError(
+                f"vocab_size {vocab_size}: the training text yields only {learned} tokens "
+                f"({BYTE_VOCAB} bytes and {learned - BYTE_VOCAB} merges); use a vocab_size of "
+                f"at most {learned}, or more text"
+            )
+        return cls(tokenizer)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> BPETokenizer:
+        """The BPE a ``tokenizer.json`` holds; ``ValueError`` for a damaged or foreign file."""
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # the library reports a bad file as a bare Exception
+            raise ValueError(f"{str(path)!r} is not a tokenizers file ({error})") from None
+        return cls(tokenizer, repr(str(path)))
+
+    def encode(self, data: bytes) -> list[int]:
+        ids: list[int] = []
+        for index, piece in enumerate(_valid_runs(_checked_data(data))):
+            if index % 2:  # a byte that is not UTF-8: the token of its symbol
+                ids.append(self._byte_ids[ord(piece) - 0xDC00])
+            elif piece:
+                ids += self._tokenizer.encode(piece, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids) -> bytes:
+        return b"".join(self._pieces[i] for i in _checked_ids(ids, self.vocab_size))
+
+    @property
+    def token_bytes(self) -> Tensor:
+        """How many bytes each token stands for ``(V,)`` int64."""
+        return torch.tensor([len(piece) for piece in self._pieces], dtype=torch.int64)
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write ``folder/tokenizer.json`` atomically: a temporary file, fsynced, renamed."""
+        temporary = Path(folder) / STORING
+        try:
+            with temporary.open("w") as out:
+                out.write(self._tokenizer.to_str())
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, Path(folder) / TOKENIZER_FILE)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+
+def _valid_runs(data: bytes) -> list[str]:
+    """``data`` cut into its maximal valid UTF-8 runs (even places, maybe empty) and, between
+    them, each byte that is not UTF-8 as its escape (odd places, one character each)."""
+    return ESCAPED.split(data.decode("utf-8", errors="surrogateescape"))
+
+
+def _check_byte_level(spec: dict, where: str) -> None:
+    """Raise ValueError unless ``spec`` (a tokenizer.json) is a byte-level BPE whose ids are
+    those of its own ``encode``, naming each field that keeps it from being one: a BPE model,
+    no normaliser, no added or special tokens, a ByteLevel pre-tokenizer without prefix space
+    and a ByteLevel decoder."""
+    pre = spec.get("pre_tokenizer") or {}
+    model = (spec.get("model") or {}).get("type")
+    checks = {
+        "model": (model != "BPE", f"its model is {model!r}, not 'BPE'"),
+        "normalizer": (
+            spec.get("normalizer") is not None,
+            "it has a normalizer, which changes the text before it is split",
+        ),
+        "added_tokens": (bool(spec.get("added_tokens")), "it adds special tokens to the text"),
+        "post_processor": (
+            spec.get("post_processor") is not None,
+            "it adds special tokens to the text",
+        ),
+        "pre_tokenizer": (
+            pre.get("type") != "ByteLevel" or bool(pre.get("add_prefix_space")),
+            "its pre-tokenizer has no ByteLevel step, so bytes are not all tokens"
+            if pre.get("type") != "ByteLevel"
+            else "its ByteLevel pre-tokenizer adds a prefix space, so decoding its tokens does "
+            "not give the text back",
+        ),
+        "decoder": (
+            (spec.get("decoder") or {}).get("type") != "ByteLevel",
+            "its decoder is not ByteLevel",
+        ),
+    }
+    wrong = {name: reason for name, (bad, reason) in checks.items() if bad}
+    if wrong:
+        raise ValueError(
+            f"{where} is not a byte-level BPE as octlm trains it (check {', '.join(wrong)}): "
+            f"{'; '.join(dict.fromkeys(wrong.values()))}"
+        )
+
+
+def probe_text() -> str:
+    """Text whose UTF-8 bytes include every byte that UTF-8 text can hold: ASCII, and each
+    lead byte with continuation bytes, plus runs of spaces and line ends."""
+    encoded = bytearray(range(0x80)) + b"  \n\n\t\r\n"
+    for lead in range(0xC2, 0xF5):
+        length = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        second = {0xE0: 0xA0, 0xF0: 0x90}.get(lead, 0x80)  # the smallest a lead byte allows
+        encoded += bytes([lead, second + (lead % 16), *[0x80 + lead % 32] * (length - 2)])
+    text = encoded.decode()
+    return text + "".join(map(chr, range(0x80, 0x100)))
+
+
+def load_tokenizer(folder: str | os.PathLike) -> ByteTokenizer | BPETokenizer:
+    """A run folder's tokenizer: its ``tokenizer.json``, or bytes if it has none."""
+    path = Path(folder) / TOKENIZER_FILE
+    return BPETokenizer.from_file(path) if path.is_file() else ByteTokenizer()

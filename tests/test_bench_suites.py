@@ -1,0 +1,112 @@
+"""The named suites measure what their readers need, and the program suites (decode, documents,
+ring, training) run as ``octlm bench --suite NAME`` with options of their own."""
+
+import re
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from octlm import records
+from octlm.bench import worker
+from octlm.bench.suites import FEATURES, PROGRAMS, SUITES, suite
+from octlm.cli import main
+from octlm.report.claims import baseline_rows
+
+CONTEXT = {"torch": "x", "device": "cpu", "threads": 1, "host_cpu": "test"}
+
+
+def as_records(measurements) -> list[dict]:
+    """The ok records a run of ``measurements`` would write (made-up figures)."""
+    figures = dict(status="ok", seconds_median=0.1, extra_bytes=1, peak_bytes=2, run="r")
+    return [worker.make_record(m, "bench-test", CONTEXT, **figures) for m in measurements]
+
+
+def shape_of(measurement):
+    return replace(measurement, backend="", block=None)
+
+
+def test_the_report_reads_every_baseline_measurement_and_the_alias_is_the_same_suite():
+    baseline = suite("baseline")
+    assert suite("seed") == baseline
+    assert len(baseline_rows(as_records(baseline))) == len(baseline)
+
+
+@pytest.mark.parametrize("name", [name for name in SUITES if name != "cuda"])
+def test_every_cpu_measurement_is_one_its_backend_takes(name):
+    """No suite asks a backend for a keyword or shape it refuses (the sketch only where it runs)."""
+    for m in suite(name):
+        assert m.device == "cpu"
+        query = key = value = torch.empty(0)
+        worker.attention_call(m, query, key, value, worker.structure(m, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_at_every_shape_a_suite_compares_all_its_backends(name):
+    """A suite is comparisons: each shape is measured by every backend its grid lists, so the
+    report pairs them in every round; the longest length too, where the memory guard (not the
+    suite) decides what cannot run."""
+    at = defaultdict(set)
+    for m in suite(name):
+        at[shape_of(m)].add(m.backend)
+    for grid in SUITES[name]:
+        for m in grid.measurements():
+            assert at[shape_of(m)] >= set(grid.backends), m
+    assert {m.device.split(":")[0] for m in suite(name)} == {"cuda" if name == "cuda" else "cpu"}
+
+
+def test_the_structure_suite_covers_every_feature_and_structural_rule_in_both_modes():
+    found = suite("structure")
+    features = {m.feature for m in found if m.feature}
+    assert features == set(FEATURES)
+    for feature in features - {"left padding"}:  # learned or score keywords: with gradients
+        assert {m.mode for m in found if m.feature == feature} == {"forward", "train"}
+    assert any(m.window for m in found) and any(m.padding for m in found)
+    assert any(m.q_len == 1 for m in found) and any(1 < m.q_len < m.length for m in found)
+
+
+def test_every_suite_the_makefile_names_exists():
+    named = re.findall(r"--suite (\S+)", (Path(__file__).parents[1] / "Makefile").read_text())
+    assert named and set(named) <= {*SUITES, *PROGRAMS, "seed"}
+
+
+def test_a_program_suite_runs_under_octlm_bench_with_its_own_options(tmp_path):
+    output = tmp_path / "decode.jsonl"
+    argv = ["bench", "--suite", "decode", "--contexts", "16", "--new-tokens", "2"]
+    argv += ["--rounds", "1", "--repeats", "1", "--chunk", "8", "--kv-heads", "2"]
+    assert main([*argv, "--output", str(output)]) == 0
+    stages = {r["stage"] for r in records.read(output)}
+    assert stages == {"prefill", "decode", "attention"}
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--suite", "ring", "--length", "100", "--worlds", "3", "--layout", "plain"], "(100)"),
+        (["--suite=ring", "--worlds", "0"], "--worlds"),
+    ],
+)
+def test_a_program_suites_refusal_is_one_line_and_exit_2(argv, named, tmp_path, capsys):
+    output = tmp_path / "out.jsonl"
+    assert main(["bench", *argv, "--output", str(output)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("octlm bench --suite ring: ") and named in line
+    assert not output.exists()
+
+
+@pytest.mark.parametrize(
+    "suite_name, argv, named",
+    [
+        ("training", ["--lengths", "99999"], "--lengths must be at most 4096"),
+        ("documents", ["--rounds", "2"], "--rounds must be at least 3"),
+        ("decode", ["--lengths", "64"], "unrecognized arguments: --lengths"),  # a grid option
+    ],
+)
+def test_a_program_suites_options_are_its_own(suite_name, argv, named, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--suite", suite_name, *argv])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"octlm bench --suite {suite_name}" in err and named in err

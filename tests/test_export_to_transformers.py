@@ -1,0 +1,275 @@
+"""octlm export: the folder transformers loads gives octlm's logits (to the precision of
+transformers' float32 RoPE), greedy tokens and tokenizer ids, for byte and BPE runs, with and
+without a window, also in a process that cannot import octlm; a failed or interrupted export
+leaves nothing behind.
+
+Tiny models with random peaked weights, written as run folders by hand; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from octlm import ModelConfig, OctLM  # noqa: E402
+from octlm.cli import main  # noqa: E402
+from octlm.export import export, export_model  # noqa: E402
+from tests.transformers_folders import (  # noqa: E402
+    TEXTS,
+    make_run,
+    peaked,
+    rope_tolerance,
+    train_bpe,
+)
+
+CONFIG = ModelConfig(vocab_size=256, width=32, n_layers=2, n_heads=4, n_kv_heads=2, max_length=64)
+WINDOWS = {"llama": 0, "mistral": 8}
+LENGTH = 40
+SOURCE = Path(__file__).parents[1] / "src"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def token_ids(vocab: int, length: int = LENGTH) -> torch.Tensor:
+    return torch.randint(vocab, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+def reference_logits(model: OctLM, ids: torch.Tensor) -> torch.Tensor:
+    """octlm's logits in float64, from a float64 copy of the model's weights."""
+    with torch.no_grad():
+        return copy.deepcopy(model).double()(ids)  # (B, T, V)
+
+
+@pytest.fixture(scope="module", params=list(WINDOWS))
+def exported(request, tmp_path_factory):
+    """A byte run (two checkpoints) of the architecture ``request.param``, exported at its
+    latest checkpoint: (run folder, its models by step, the exported folder)."""
+    root = tmp_path_factory.mktemp(request.param)
+    models = make_run(root / "run", replace(CONFIG, window=WINDOWS[request.param]))
+    export(root / "run", root / "out")
+    return root / "run", models, root / "out"
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logits_equal_octlm_to_the_precision_of_transformers_rope(exported, attn, dtype):
+    _run, models, out = exported
+    model = models[4]
+    theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation=attn, dtype=dtype)
+    expected = "MistralForCausalLM" if model.config.window else "LlamaForCausalLM"
+    assert type(theirs).__name__ == expected
+    assert getattr(theirs.config, "sliding_window", None) == (model.config.window or None)
+    ids = token_ids(CONFIG.vocab_size)
+    with torch.no_grad():
+        logits = theirs.eval()(ids).logits  # (B, T, V)
+    reference = reference_logits(model, ids)
+    assert logits.dtype == dtype
+    error = (logits.double() - reference).abs().max().item()
+    assert error <= rope_tolerance(reference), error
+
+
+def test_greedy_generation_gives_octlm_tokens(exported):
+    _run, models, out = exported
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = token_ids(CONFIG.vocab_size, length=9)[:1]
+    tokens = theirs.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert torch.equal(tokens, models[4].generate(prompt, 24))
+
+
+def test_byte_tokenizer_ids_are_the_utf8_bytes(exported):
+    _run, _models, out = exported
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == list(text.encode()), text
+        assert tokenizer.decode(ids) == text
+    broken = [0xFF, ord("A"), 0xE2, 0x98]  # bytes no UTF-8 text holds, then a cut sequence
+    assert tokenizer.decode(broken) == bytes(broken).decode(errors="replace")
+
+
+def test_an_earlier_step_exports_that_checkpoint(exported, tmp_path):
+    run, models, _out = exported
+    export(run, tmp_path / "out", step=2)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = token_ids(CONFIG.vocab_size)
+    with torch.no_grad():
+        logits = theirs(ids).logits
+    reference = reference_logits(models[2], ids)
+    assert (logits.double() - reference).abs().max().item() <= rope_tolerance(reference)
+    with pytest.raises(ValueError, match=r"one of the run's checkpoints \[2, 4\], got 3"):
+        export(run, tmp_path / "other", step=3)
+
+
+@pytest.mark.parametrize("architecture", list(WINDOWS))
+def test_bpe_run_exports_its_tokenizer_and_model(architecture, tmp_path):
+    bpe = train_bpe(tmp_path / "tokenizer.json")
+    from tokenizers import Tokenizer
+
+    octlm_tokenizer = Tokenizer.from_file(str(bpe))  # its ids are octlm's, by the run's contract
+    config = replace(
+        CONFIG, vocab_size=octlm_tokenizer.get_vocab_size(), window=WINDOWS[architecture]
+    )
+    models = make_run(tmp_path / "run", config, tokenizer=bpe)
+    export(tmp_path / "run", tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == octlm_tokenizer.encode(text).ids, text
+        assert tokenizer.decode(ids) == text
+    assert len(octlm_tokenizer.encode(TEXTS[0]).ids) < len(TEXTS[0].encode())  # merges used
+    ids = torch.tensor([octlm_tokenizer.encode(TEXTS[1] + TEXTS[0]).ids])
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        logits = theirs(ids).logits
+    reference = reference_logits(models[4], ids)
+    assert (logits.double() - reference).abs().max().item() <= rope_tolerance(reference)
+
+
+BLOCKED = """
+import sys
+
+class NoOctlm:
+    def find_spec(self, name, path=None, target=None):
+        if name == "octlm" or name.startswith("octlm."):
+            raise ImportError("octlm is not installed here")
+
+sys.meta_path.insert(0, NoOctlm())
+try:
+    import octlm
+except ImportError:
+    pass
+else:
+    raise SystemExit("octlm was importable")
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder, output, text = sys.argv[1:]
+model = AutoModelForCausalLM.from_pretrained(folder).eval()
+ids = torch.tensor([AutoTokenizer.from_pretrained(folder)(text)["input_ids"]])
+with torch.no_grad():
+    logits = model(ids).logits
+tokens = model.generate(ids, max_new_tokens=16, do_sample=False)
+torch.save({"ids": ids, "logits": logits, "tokens": tokens}, output)
+"""
+
+
+def test_the_folder_loads_where_octlm_cannot_be_imported(exported, tmp_path):
+    _run, models, out = exported
+    text = TEXTS[1]
+    environment = {**os.environ, "PYTHONPATH": str(SOURCE)}  # octlm is findable, and blocked
+    subprocess.run(
+        [sys.executable, "-c", BLOCKED, str(out), str(tmp_path / "got.pt"), text],
+        check=True,
+        env=environment,
+    )
+    got = torch.load(tmp_path / "got.pt")
+    assert got["ids"][0].tolist() == list(text.encode())
+    reference = reference_logits(models[4], got["ids"])
+    assert (got["logits"].double() - reference).abs().max().item() <= rope_tolerance(reference)
+    assert torch.equal(got["tokens"], models[4].generate(got["ids"], 16))
+
+
+def test_a_model_file_exports_with_bytes_only_when_its_vocabulary_is_bytes(tmp_path):
+    for vocab in (256, 100):
+        model = peaked(OctLM(replace(CONFIG, vocab_size=vocab)))
+        model.save(tmp_path / f"model-{vocab}.pt")
+        exported = export(tmp_path / f"model-{vocab}.pt", tmp_path / f"out-{vocab}")
+        assert exported.step is None
+        assert exported.tokenizer == ("bytes" if vocab == 256 else None)
+        has_tokenizer = (tmp_path / f"out-{vocab}" / "tokenizer.json").exists()
+        assert has_tokenizer == (vocab == 256)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / f"out-{vocab}").eval()
+        ids = token_ids(vocab)
+        with torch.no_grad():
+            logits = theirs(ids).logits
+        reference = reference_logits(model, ids)
+        assert (logits.double() - reference).abs().max().item() <= rope_tolerance(reference)
+    with pytest.raises(ValueError, match=r"step picks a checkpoint of a run folder.*model file"):
+        export(tmp_path / "model-256.pt", tmp_path / "again", step=2)
+
+
+def test_cli_exports_once_and_refuses_a_folder_that_holds_something(exported, tmp_path, capsys):
+    run, _models, _out = exported
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert "checkpoint of step 4" in said and "tokenizer bytes" in said
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # fmt: skip
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "other")]) == 2
+    assert "does not exist: expected a run folder or a model file" in capsys.readouterr().err
+
+
+def test_a_failed_export_leaves_no_folder_and_no_temporary_one(monkeypatch, tmp_path, capsys):
+    from octlm.integrations import llama_format
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(llama_format, "save_file", full_disk)
+    model = peaked(OctLM(CONFIG))
+    with pytest.raises(OSError, match="No space left"):
+        export_model(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+    model.save(tmp_path / "model.pt")
+    assert main(["export", str(tmp_path / "model.pt"), str(tmp_path / "out")]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+SLOW_WRITE = """
+import sys, time
+from pathlib import Path
+from octlm.cli import main
+from octlm.integrations import llama_format
+
+def slow(tensors, path, metadata=None):
+    Path(path).write_bytes(b"partial")
+    Path(sys.argv[3]).touch()
+    time.sleep(60)
+
+llama_format.save_file = slow
+sys.exit(main(["export", sys.argv[1], sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_during_export_removes_what_it_wrote(signum, tmp_path):
+    peaked(OctLM(CONFIG)).save(tmp_path / "model.pt")
+    out, writing = tmp_path / "exports" / "out", tmp_path / "writing"
+    out.parent.mkdir()
+    environment = {**os.environ, "PYTHONPATH": str(SOURCE)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITE, str(tmp_path / "model.pt"), str(out), str(writing)],
+        env=environment,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while not writing.exists() and process.poll() is None:
+            time.sleep(0.05)
+        assert any(out.parent.iterdir())  # the staging folder, mid-write
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signum
+    assert f"stopped by {signal.Signals(signum).name}" in err
+    assert list(out.parent.iterdir()) == []

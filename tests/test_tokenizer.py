@@ -1,0 +1,180 @@
+"""octlm.tokenizer: every byte string comes back from bytes and from BPE tokens, and a BPE's ids
+are those the tokenizers library gives when it reads the saved tokenizer.json by itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from octlm.tokenizer import (
+    TOKENIZER_FILE,
+    BPETokenizer,
+    ByteTokenizer,
+    byte_symbols,
+    load_tokenizer,
+)
+
+WORDS = ["def", " return", " self", "héllo", " wörld", " 中文", " naïve", "\n    ", " = ", "😀"]
+VOCAB = 300
+
+
+def training_texts() -> list[bytes]:
+    """Documents of corpus words, one of them with bytes that are not UTF-8."""
+    generator = torch.Generator().manual_seed(0)
+    texts = []
+    for _ in range(20):
+        picks = torch.randint(len(WORDS), (80,), generator=generator).tolist()
+        texts.append("".join(WORDS[i] for i in picks).encode())
+    texts[3] += b"\xff\xfe\xc3(\xed\xa0\x80"
+    return texts
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    return BPETokenizer.train(training_texts(), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def library(bpe, tmp_path_factory) -> Tokenizer:
+    """The saved tokenizer.json as the tokenizers library reads it, octlm aside."""
+    folder = tmp_path_factory.mktemp("bpe")
+    bpe.save(folder)
+    return Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+
+
+# Text that hits the merges: corpus words and anything else, in any order.
+texts = st.lists(st.one_of(st.sampled_from(WORDS), st.text(max_size=6)), max_size=12).map("".join)
+# Bytes of every kind: corpus words, valid UTF-8, and bytes that are not.
+mixed = st.lists(
+    st.one_of(st.sampled_from(WORDS).map(str.encode), texts.map(str.encode), st.binary(max_size=5)),
+    max_size=10,
+).map(b"".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.one_of(st.binary(max_size=64), mixed))
+def test_bpe_gives_back_any_bytes(bpe, data):
+    ids = bpe.encode(data)
+    assert all(isinstance(i, int) and 0 <= i < VOCAB for i in ids)
+    assert bpe.decode(ids) == data
+    assert int(bpe.token_bytes[torch.tensor(ids, dtype=torch.int64)].sum()) == len(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=texts)
+def test_bpe_ids_are_those_of_the_library_reading_the_file(bpe, library, text):
+    ids = library.encode(text).ids
+    assert bpe.encode(text.encode("utf-8")) == ids
+    assert library.decode(ids) == text
+    assert bpe.decode(ids) == text.encode("utf-8")
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=64))
+def test_bytes_are_their_own_tokens(data):
+    tokenizer = ByteTokenizer()
+    assert tokenizer.encode(data) == list(data)
+    assert tokenizer.decode(list(data)) == data
+    assert tokenizer.decode(torch.tensor(list(data), dtype=torch.int64)) == data
+
+
+def test_bpe_learns_the_vocabulary_asked_for(bpe):
+    assert bpe.vocab_size == VOCAB
+    text = b"".join(training_texts())
+    assert len(bpe.encode(text)) < len(text) / 2  # merges cover the corpus words
+    assert any(bpe.decode([i]) == " wörld".encode() for i in range(VOCAB))
+
+
+def test_byte_symbols_are_the_library_s(bpe):
+    """Every byte UTF-8 uses is written as the library's ByteLevel pre-tokenizer writes it
+    (the rest, C0, C1 and F5..FF, only in invalid data), and the symbols are its alphabet."""
+    points = [*range(0x800), *range(0x800, 0xD800, 0x40), *range(0xE000, 0x110000, 0x1000)]
+    text = "".join(map(chr, points))
+    used = set(text.encode())
+    assert used == set(range(256)) - {0xC0, 0xC1, *range(0xF5, 0x100)}
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    written = "".join(piece for piece, _ in level.pre_tokenize_str(text))
+    symbols = byte_symbols()
+    assert written == "".join(symbols[byte] for byte in text.encode())
+    assert sorted(symbols) == sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def test_a_folder_gives_its_tokenizer(bpe, tmp_path):
+    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)  # no tokenizer.json: bytes
+    bpe.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert (loaded.name, loaded.vocab_size) == ("bpe", VOCAB)
+    assert all(loaded.encode(text) == bpe.encode(text) for text in training_texts())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [TOKENIZER_FILE]  # no temporary file
+
+
+@pytest.mark.parametrize(
+    "texts, vocab_size, match",
+    [
+        ([b"abab"], VOCAB, "yields only 258 tokens"),
+        (training_texts(), 256, "above 256"),
+        (training_texts(), 2**32 + 1, "at most 2"),
+        (training_texts(), "300", "must be an int, got '300'"),
+        (training_texts(), True, "must be an int, got True"),
+    ],
+)
+def test_bpe_refuses_a_vocabulary_it_cannot_have(texts, vocab_size, match):
+    with pytest.raises(ValueError, match=match):
+        BPETokenizer.train(texts, vocab_size)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_bad_input_is_named(bpe, tokenizer):
+    tokenizer = bpe if tokenizer == "bpe" else ByteTokenizer()
+    size = tokenizer.vocab_size
+    with pytest.raises(TypeError, match="data must be bytes, got str"):
+        tokenizer.encode("text")
+    with pytest.raises(ValueError, match=rf"ids must lie in \[0, {size}\), got 1..{size}"):
+        tokenizer.decode([1, size])
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, "):
+        tokenizer.decode([-1])
+    with pytest.raises(TypeError, match=r"ids must be ints, got 1\.5"):
+        tokenizer.decode([1, 1.5])
+    with pytest.raises(TypeError, match="1-D integer tensor, got 2-D"):
+        tokenizer.decode(torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="ids must be a sequence of ints"):
+        tokenizer.decode(b"ab")
+
+
+def test_a_foreign_or_damaged_file_is_refused(bpe, tmp_path):
+    (tmp_path / TOKENIZER_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="is not a tokenizers file"):
+        load_tokenizer(tmp_path)
+    normalised = Tokenizer.from_str(bpe._tokenizer.to_str())
+    normalised.normalizer = normalizers.Lowercase()  # would change the text it encodes
+    normalised.save(str(tmp_path / TOKENIZER_FILE))
+    with pytest.raises(ValueError, match=r"not a byte-level BPE .*check normalizer"):
+        load_tokenizer(tmp_path)
+    words = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    words.save(str(tmp_path / TOKENIZER_FILE))
+    with pytest.raises(ValueError, match="check model, pre_tokenizer"):
+        load_tokenizer(tmp_path)
+    spec = json.loads(bpe._tokenizer.to_str())
+    kept = sorted((v, k) for k, v in spec["model"]["vocab"].items() if k != "Ā")  # byte 0's
+    spec["model"]["vocab"] = {token: index for index, (_, token) in enumerate(kept)}
+    spec["model"]["merges"] = [m for m in spec["model"]["merges"] if "Ā" not in "".join(m)]
+    (tmp_path / TOKENIZER_FILE).write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"1 of the 256 byte symbols .* \(byte 0 first\)"):
+        load_tokenizer(tmp_path)
+
+
+def test_importing_octlm_leaves_tokenizers_out():
+    """A byte run, and everything but BPE, runs without the tokenizers library."""
+    code = (
+        "import sys, tempfile, octlm, octlm.cli, octlm.training, octlm.tokenizer;"
+        "octlm.tokenizer.load_tokenizer(tempfile.mkdtemp());"
+        "sys.exit('tokenizers' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

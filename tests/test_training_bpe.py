@@ -1,0 +1,259 @@
+"""octlm train --tokenizer bpe: token files that decode to every document, a tokenizer that saw
+only the training split, bits per byte over the bytes tokens cover, sampling, resuming, packing.
+
+Runs use a model of a few thousand parameters and a vocabulary of 300 on a few kilobytes of
+text, so each takes about a second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from octlm import load_run
+from octlm.cli import main
+from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
+from octlm.training import data, train
+from octlm.training.config import resolve
+from octlm.training.sample import generate_text
+
+WORDS = ["def", " return", " self", "(x)", ":", "\n    ", " héllo", " wörld", " 中文", " = 1"]
+VOCAB = 300
+MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
+RUN = dict(
+    tokenizer="bpe", steps=4, batch=4, length=16, eval_every=2, eval_batches=2,
+    checkpoint_every=2, keep=10, log_every=1, sample_tokens=4, warmup=1, lr=1e-2,
+)  # fmt: skip
+
+
+def write_corpus(folder: Path, documents: int = 12, words: int = 300) -> Path:
+    """Text files of corpus words; one holds bytes that are not UTF-8, one is short."""
+    generator = torch.Generator().manual_seed(0)
+    for index in range(documents):
+        picks = torch.randint(len(WORDS), (words,), generator=generator).tolist()
+        text = "".join(WORDS[i] for i in picks).encode()
+        text = text + b"\xff\xc3(" if index == 5 else text[: 3 + 40 * index]
+        path = folder / f"part{index % 2}" / f"doc{index}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text)
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus")
+
+
+def configs(corpus: Path, model: dict | None = None, **run):
+    return resolve(
+        model={**MODEL, "vocab_size": VOCAB, **(model or {})},
+        run={**RUN, "data": str(corpus), **run},
+    )
+
+
+def records(folder: Path, kind: str) -> list[dict]:
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def split_documents(folder: Path, split: str) -> list[bytes]:
+    """The documents of one split, decoded from its token file at its document starts."""
+    tokenizer = load_tokenizer(folder)
+    tokens = data.load_tokens(folder / "data", split, 1).long()
+    starts = [*data.load_starts(folder / "data", split).tolist(), len(tokens)]
+    return [tokenizer.decode(tokens[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory) -> Path:
+    """One finished BPE run (4 steps, checkpoints at 2 and 4), read by several tests."""
+    root = tmp_path_factory.mktemp("bpe-run")
+    train(*configs(write_corpus(root / "corpus")), root / "run", progress=False)
+    return root / "run"
+
+
+def test_token_files_decode_to_every_document(bpe_run):
+    summary = json.loads((bpe_run / "data" / "data.json").read_text())
+    assert (summary["tokenizer"], summary["vocab_size"], summary["dtype"]) == (
+        "bpe",
+        VOCAB,
+        "uint16",
+    )
+    for split in data.SPLITS:
+        size = (bpe_run / "data" / f"{split}.bin").stat().st_size
+        assert size == 2 * summary[f"{split}_tokens"] < summary[f"{split}_bytes"]
+    decoded = sorted(split_documents(bpe_run, "train") + split_documents(bpe_run, "val"))
+    corpus = bpe_run.parent / "corpus"
+    assert decoded == sorted(p.read_bytes() for p in corpus.rglob("*.txt"))  # \xff\xc3( too
+
+
+def test_the_tokenizer_learns_from_the_training_split_only(tmp_path):
+    """A single file holds out its tail: a word found only there gets no merge, while the same
+    word in the head does."""
+    head = "".join(WORDS * 40)
+    for where, merged in (("tail", False), ("head", True)):
+        text = head + " zqxv" * 60 if where == "tail" else " zqxv" * 60 + head
+        corpus = tmp_path / f"{where}.txt"
+        corpus.write_text(text)
+        folder = tmp_path / where
+        train(*configs(corpus, {"vocab_size": 270}, steps=1, val_share=0.2), folder, progress=False)
+        tokenizer = load_tokenizer(folder)
+        pieces = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+        assert any(b"zq" in piece for piece in pieces) == merged, where
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_bits_per_byte_are_token_losses_over_the_bytes_they_cover(corpus, tmp_path, tokenizer):
+    """Recomputed in float64 from the final checkpoint on the fixed validation windows, and
+    for the first step from its batch; for byte tokens it is the loss per token over log 2."""
+    vocab = {"bytes": 256, "bpe": VOCAB}[tokenizer]
+    model_config, run = configs(corpus, {"vocab_size": vocab}, tokenizer=tokenizer, eval_every=4)
+    folder = tmp_path / "run"
+    train(model_config, run, folder, progress=False)
+    model, _tokenizer, step = load_run(folder)
+    model = model.double()
+    tokens = data.load_tokens(folder / "data", "val", run.length)
+    vocabulary = load_tokenizer(folder)
+    loss, covered = 0.0, 0
+    for batch in data.evaluation_batches(tokens, run.length, run.batch, run.eval_batches):
+        with torch.no_grad():
+            logits = model(batch.inputs)  # (B, T, V) float64
+        loss += float(
+            F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="sum")
+        )
+        covered += sum(len(vocabulary.decode([t])) for t in batch.targets.flatten().tolist())
+    evaluation = records(folder, "eval")[-1]
+    assert evaluation["step"] == step == 4
+    assert math.isclose(evaluation["val_bits_per_byte"], loss / math.log(2) / covered, rel_tol=1e-5)
+    first = records(folder, "train_step")[0]
+    batch = data.Batches(
+        data.load_tokens(folder / "data", "train", run.length), run.length, run.seed
+    )
+    targets = batch.next(run.batch).targets.flatten().tolist()
+    first_bytes = sum(len(vocabulary.decode([t])) for t in targets)
+    expected = first["loss"] * len(targets) / first_bytes / math.log(2)
+    assert math.isclose(first["bits_per_byte"], expected, rel_tol=1e-12)
+    if tokenizer == "bytes":  # exactly the figure of a loss per byte-token
+        assert evaluation["val_bits_per_byte"] == evaluation["val_loss"] / math.log(2)
+        assert first["bits_per_byte"] == first["loss"] / math.log(2)
+    else:
+        assert covered > 2 * len(targets) * run.eval_batches  # tokens of several bytes
+
+
+def test_sample_encodes_and_decodes_with_the_run_s_tokenizer(bpe_run, capsys):
+    assert main(["sample", str(bpe_run), "--prompt", " héllo", "--max-new-tokens", "6",
+                 "--temperature", "0"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    model, _tokenizer, _step = load_run(bpe_run)
+    tokenizer = load_tokenizer(bpe_run)
+    prompt = tokenizer.encode(" héllo".encode())
+    assert len(prompt) == 1  # " héllo" is one token of the corpus's BPE
+    drawn = model.generate(torch.tensor([prompt]), 6, temperature=0.0)  # (1, 7)
+    assert printed == tokenizer.decode(drawn[0].tolist()).decode("utf-8", errors="replace") + "\n"
+    with pytest.raises(ValueError, match="has 256 tokens and the model 300"):
+        generate_text(model, "def", 2, tokenizer=ByteTokenizer())
+
+
+def test_a_resumed_bpe_run_repeats_the_uninterrupted_losses(bpe_run, tmp_path):
+    folder = tmp_path / "resumed"
+    shutil.copytree(bpe_run, folder)
+    for path in folder.glob("checkpoint-0000004.pt"):
+        path.unlink()  # as if the run had stopped after step 2
+    model_config, run = resolve(model={}, run={}, resume=folder)
+    assert (run.tokenizer, model_config.vocab_size) == ("bpe", VOCAB)
+    train(model_config, run, folder, resume=True, progress=False)
+    losses = {r["step"]: r["loss"] for r in records(folder, "train_step")}
+    assert losses == {r["step"]: r["loss"] for r in records(bpe_run, "train_step")}
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--tokenizer", "bytes"], "run.tokenizer: 'bpe' in the run, 'bytes' now"),
+        (["--vocab-size", "320"], "model.vocab_size: 300 in the run, 320 now"),
+    ],
+)
+def test_resume_refuses_another_tokenizer(bpe_run, tmp_path, capsys, flags, named):
+    folder = tmp_path / "run"
+    shutil.copytree(bpe_run, folder)
+    assert main(["train", "--out", str(folder), "--resume", "--steps", "6", *flags]) == 2
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1
+
+
+def test_resume_refuses_a_folder_whose_tokenizer_is_gone(bpe_run, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(bpe_run, folder)
+    (folder / TOKENIZER_FILE).unlink()  # the folder now reads as a byte run
+    model_config, run = resolve(run={"steps": 6}, resume=folder)
+    with pytest.raises(ValueError, match="the run folder's tokenizer has bytes of 256 tokens"):
+        train(model_config, run, folder, resume=True, progress=False)
+
+
+def test_packed_rows_of_bpe_tokens_keep_to_their_documents(bpe_run):
+    """Each row's runs of one document id are token runs of that one document."""
+    tokens = data.load_tokens(bpe_run / "data", "train", 1)
+    starts = data.load_starts(bpe_run / "data", "train")
+    documents = split_documents(bpe_run, "train")
+    tokenizer = load_tokenizer(bpe_run)
+    batch = data.PackedBatches(tokens, 16, 0, starts).next(64)
+    for inputs, ids in zip(batch.inputs, batch.document_ids, strict=True):
+        for document in ids.unique().tolist():
+            if document == len(documents):  # past the last document: padding of nothing
+                continue
+            piece = tokenizer.decode(inputs[ids == document].tolist())
+            assert piece in documents[document]
+    assert (batch.document_ids[:, 1:] != batch.document_ids[:, :-1]).any()  # rows hold several
+
+
+def test_a_packed_bpe_run_trains(corpus, tmp_path):
+    outcome = train(
+        *configs(corpus, {"attention": "tiled"}, pack=True), tmp_path / "run", progress=False
+    )
+    assert outcome.step == 4 and math.isfinite(outcome.val_bits_per_byte)
+
+
+@pytest.mark.parametrize(
+    "model, run, message",
+    [
+        ({"vocab_size": 300}, {"tokenizer": "bytes"}, "byte tokens need vocab_size 256, got 300"),
+        ({"vocab_size": 256}, {}, "BPE vocab_size must be above 256"),
+        ({}, {"tokenizer": "words"}, r"tokenizer must be one of \('bytes', 'bpe'\)"),
+    ],
+)
+def test_a_vocabulary_that_is_not_the_tokenizer_s_is_refused(corpus, model, run, message):
+    with pytest.raises(ValueError, match=message):
+        configs(corpus, model, **run)
+
+
+def test_bpe_vocabulary_defaults_to_4096(corpus):
+    model_config, _run = resolve(run={"tokenizer": "bpe", "data": str(corpus)})
+    assert model_config.vocab_size == 4096
+    assert resolve(run={"data": str(corpus)})[0].vocab_size == 256
+
+
+def test_a_start_whose_corpus_cannot_give_the_vocabulary_leaves_nothing(corpus, tmp_path):
+    folder = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"yields only .* use a vocab_size of at most"):
+        train(*configs(corpus, {"vocab_size": 5000}), folder, progress=False)
+    # marked as a failed start (cleared by the next), beside the run lock's file
+    assert sorted(p.name for p in folder.iterdir()) == [".octlm-lock", ".octlm-preparing"]
+    outcome = train(*configs(corpus), folder, progress=False)
+    assert outcome.step == 4 and (folder / TOKENIZER_FILE).is_file()
+
+
+def test_the_tokenizer_file_is_the_run_s_own(bpe_run, tmp_path):
+    """--overwrite may clear a BPE run (tokenizer.json is octlm's), and writes it again."""
+    folder = tmp_path / "run"
+    shutil.copytree(bpe_run, folder)
+    train(*configs(bpe_run.parent / "corpus", steps=1), folder, overwrite=True, progress=False)
+    again = BPETokenizer.from_file(folder / TOKENIZER_FILE)
+    text = (bpe_run.parent / "corpus" / "part1" / "doc5.txt").read_bytes()
+    assert again.encode(text) == load_tokenizer(bpe_run).encode(text)  # the same training
