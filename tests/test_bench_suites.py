@@ -110,3 +110,41 @@ def test_a_program_suites_options_are_its_own(suite_name, argv, named, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert f"octlm bench --suite {suite_name}" in err and named in err
+
+
+def test_the_training_suite_alternates_the_attentions_round_by_round(tmp_path, monkeypatch):
+    """Every (round, length, packing) runs each implementation once, reversed in even rounds,
+    at a fixed number of tokens per step; each record says its run and round."""
+    from octlm.bench import training
+
+    calls = []
+
+    def fake(corpus, folder, name, length, packed, dtype, steps, half):
+        calls.append((name, length, packed))
+        return {"attention": name, "length": length, "packed": packed, "status": "ok"}
+
+    monkeypatch.setattr(training, "_train_attention", fake)
+    output = tmp_path / "steps.jsonl"
+    argv = ["--what", "attention", "--attention", "sdpa", "tiled", "auto", "--lengths", "256",
+            "--packing", "off", "on", "--dtypes", "float32", "--rounds", "2"]  # fmt: skip
+    assert training.main([*argv, "--output", str(output)]) == 0
+    forward, backward = ["sdpa", "tiled", "auto"], ["auto", "tiled", "sdpa"]
+    assert [name for name, _, _ in calls] == forward * 2 + backward * 2
+    assert [packed for _, _, packed in calls] == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+    found = records.read(output)
+    assert [r["round"] for r in found] == [1] * 6 + [2] * 6
+    assert len({r["run"] for r in found}) == 1
+
+
+def test_one_training_step_run_is_a_real_octlm_train_with_packed_rows(tmp_path):
+    """The suite's own command trains (auto, packed rows) and reports warm steps only."""
+    from octlm.bench import training
+
+    corpus = training._corpus(tmp_path)
+    assert len(list(corpus.rglob("*.txt"))) > 10  # many documents, for packing
+    record = training._train_attention(
+        corpus, tmp_path / "run", "auto", 128, True, "float32", steps=2, half=1
+    )
+    assert record["status"] == "ok", record
+    assert record["batch"] == training.TOKENS_PER_STEP // 128 and record["packed"] is True
+    assert record["tokens_per_second"] > 0 and record["peak_bytes"] > 0

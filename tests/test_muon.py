@@ -17,7 +17,7 @@ from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint, optim, train
 from octlm.training.config import RunConfig, resolve
 from octlm.training.optim import Muon, lr_factor, make_optimizer, make_scheduler, orthogonalise
-from tests.test_training import configs, losses, read_metrics, write_corpus
+from tests.training_helpers import configs, losses, read_metrics, write_corpus
 
 MODEL = ModelConfig(width=32, n_layers=2, n_heads=2, n_kv_heads=1, max_length=16)
 

@@ -540,3 +540,70 @@ def test_verify_runs_of_different_dtypes_keep_each_others_figures():
         {"experiment": "tiled-sdpa", "run": "2", "dtype": "bfloat16", "device": "cpu"},
     ]
     assert latest_runs(checks) == [checks[0], checks[2]]
+
+
+def routed(backend: str, seconds: float, round: int, **grid) -> dict:
+    """An ok record of the route suite's grid (8,192 tokens, float32) with ``grid``'s fields;
+    ``auto``'s says which path it took, as the worker writes it."""
+    [m] = replace(Grid(backends=(backend,), lengths=(8192,)), **grid).measurements()
+    figures = dict(seconds_median=seconds, seconds=[seconds], extra_bytes=2**20, peak_bytes=2**30)
+    chosen = {"route": "tiled: document_ids let blocks be skipped"} if grid else {}
+    chosen = chosen or {"route": "sdpa: plain causal, no mask needed"}
+    if backend != "auto":
+        chosen = {}
+    return make_record(m, "test", MACHINE, run="r", round=round, status="ok", **figures, **chosen)
+
+
+def test_the_route_table_divides_auto_by_the_faster_path_of_each_round(tmp_path):
+    """Per round, auto's time over the faster of FLASH and tiled, whichever that is; the path
+    auto took; met when the median is at most 1.05."""
+    plain = [(0.50, 0.40, 0.60), (0.45, 0.44, 0.70), (0.52, 0.41, 0.50)]  # auto, flash, tiled
+    documents = [(0.25, 2.0, 0.20), (0.30, 2.1, 0.29), (0.205, 1.9, 0.20)]
+    found = []
+    for round, ((a, f, t), (da, df, dt)) in enumerate(zip(plain, documents, strict=True), 1):
+        found += [routed("auto", a, round), routed("flash", f, round), routed("tiled", t, round)]
+        documents_grid = {"features": ("documents",)}
+        found += [routed(name, s, round, **documents_grid)
+                  for name, s in (("auto", da), ("flash", df), ("tiled", dt))]  # fmt: skip
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    first = row(text, Case="plain causal, forward", auto_ran="sdpa")
+    assert over_rounds(first["auto ÷ faster, median (min–max, rounds)"],
+                       [a / min(f, t) for a, f, t in plain])  # fmt: skip
+    assert first["auto ran"] == "sdpa" and first["Met"] == "no"  # median 1.25
+    assert first["Faster of FLASH and tiled"] == "FLASH (2 of 3 rounds)"  # round 3: tiled
+    second = row(text, Case="documents, forward", auto_ran="tiled")
+    assert over_rounds(second["auto ÷ faster, median (min–max, rounds)"],
+                       [a / min(f, t) for a, f, t in documents])  # fmt: skip
+    assert second["auto ran"] == "tiled" and second["Met"] == "yes"  # median 0.30 / 0.29
+    assert second["Faster of FLASH and tiled"] == "tiled (3 of 3 rounds)"
+
+
+def test_the_route_table_says_not_measured_without_auto_beside_both_paths(tmp_path):
+    found = [routed("auto", 0.5, 1), routed("flash", 0.4, 1)]  # no tiled in the round
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert f"{NOT_MEASURED}: no round measured auto beside FLASH and tiled" in text
+
+
+def stepped(attention: str, tokens_per_second: float, round: int, length: int = 1024,
+            packed: bool = False) -> dict:  # fmt: skip
+    """A ``train-attention`` record as ``octlm bench --suite training --what attention``
+    writes it."""
+    return records.make("check", "train-attention", MACHINE, run="t") | {
+        "attention": attention, "length": length, "packed": packed, "dtype": "float32",
+        "batch": 4096 // length, "steps": 6, "status": "ok", "round": round,
+        "tokens_per_second": tokens_per_second, "memory_metric": "ru_maxrss", "peak_bytes": 2**30,
+    }  # fmt: skip
+
+
+def test_the_training_step_table_judges_auto_by_the_faster_of_sdpa_and_tiled(tmp_path):
+    speeds = [(900, 1000, 800), (1000, 950, 990), (700, 690, 720)]  # auto, sdpa, tiled tok/s
+    found = [stepped(name, s, round, packed=True)
+             for round, figures in enumerate(speeds, 1)
+             for name, s in zip(("auto", "sdpa", "tiled"), figures, strict=True)]  # fmt: skip
+    found.append(stepped("naive", 100, 1, packed=True))
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    line = row(text, Batch___tokens__rows__dtype="4 × 1,024, packed, float32")
+    assert line["auto tok/s"] == "900" and line["sdpa tok/s"] == "950"
+    assert line["naive tok/s"] == "100" and line["tiled tok/s"] == "800"
+    assert over_rounds(line["auto ÷ faster, median (min–max, rounds)"],
+                       [max(s, t) / a for a, s, t in speeds])  # fmt: skip

@@ -3,16 +3,17 @@
 Two measurements, appended as records to ``runs/bench-training-cpu.jsonl``::
 
     octlm bench --suite training --what overhead   # train() against a bare loop, T = 256, 1024
-    octlm bench --suite training --what attention  # naive, sdpa, tiled at 1,024 and 4,096 tokens
+    octlm bench --suite training --what attention  # each attention at 1,024 and 4,096 tokens
 
 (``python -m octlm.training.benchmark overhead|attention`` is the same program.)
 
 ``overhead`` alternates ``train()`` (data, schedule, clipping, records, progress bar) with a bare
 loop of the same model and batch (forward, backward, AdamW step on one fixed batch), a few
 times each, in one process, and compares their tokens per second over the steps after the
-first. ``attention`` runs ``octlm train`` once per implementation, length and dtype, each in a
-fresh process because ``ru_maxrss`` is a lifetime peak, and records that run's tokens per
-second and peak memory. This is a benchmark, not a test: its figures depend on the machine.
+first. ``attention`` runs ``octlm train`` once per implementation, length, packing and dtype
+(and round), each in a fresh process because ``ru_maxrss`` is a lifetime peak, and records that
+run's tokens per second and peak memory. This is a benchmark, not a test: its figures depend on
+the machine.
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ EXTRA_CALLS, EXTRA_BLOCKS = 100, 21
 
 
 def _corpus(folder: Path) -> Path:
-    """A few MB of the standard library as one file: enough for any batch, quick to write."""
+    """The standard library's ``email`` package, one text file per module: a few hundred KB
+    in documents of many sizes, enough for any batch and for rows packed with documents."""
     root, glob = data.default_corpus()
-    path = folder / "corpus.txt"
-    with path.open("wb") as out:
-        for document in data.find_documents(root / "email", glob):
-            out.write(document.read_bytes())
-    return path
+    corpus = folder / "corpus"
+    for document in data.find_documents(root / "email", glob):
+        path = corpus / document.relative_to(root / "email").with_suffix(".txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(document.read_bytes())
+    return corpus
 
 
 def _bare_loop(model_config, run, steps: int) -> float:
@@ -158,39 +161,63 @@ def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 3)
             print(json.dumps(record))
 
 
-def attention(output: str, lengths=(1024, 4096), dtypes=("float32", "bfloat16"), steps=2) -> None:
-    """One fresh ``octlm train`` process per (implementation, length, dtype)."""
+IMPLEMENTATIONS = ("naive", "sdpa", "tiled", "auto")
+
+
+def attention(
+    output: str,
+    lengths=(1024, 4096),
+    dtypes=("float32", "bfloat16"),
+    steps: int = 6,
+    implementations=IMPLEMENTATIONS,
+    packing=(False,),
+    rounds: int = 1,
+) -> None:
+    """One fresh ``octlm train`` process per (round, length, packing, dtype, implementation).
+
+    Every run takes :data:`TOKENS_PER_STEP` tokens a step (``batch = TOKENS_PER_STEP //
+    length``) for ``steps`` steps and logs twice: the record's tokens per second are those of
+    the second half, past the first step's warm-up. The implementations alternate, reversed
+    in even rounds, so that the machine's load falls on each alike.
+    """
+    half = max(1, steps // 2)
     with tempfile.TemporaryDirectory() as scratch:
         corpus = _corpus(Path(scratch))
-        for length in lengths:
-            for dtype in dtypes:
-                for name in ("naive", "sdpa", "tiled"):
-                    folder = Path(scratch, f"{name}-{length}-{dtype}")
-                    command = [
-                        sys.executable, "-m", "octlm", "train", "--data", str(corpus),
-                        "--out", str(folder), "--attention", name, "--length", str(length),
-                        "--batch", "1", "--dtype", dtype, "--steps", str(steps),
-                        "--log-every", "1", "--eval-every", str(10**6),
-                        "--checkpoint-every", str(10**6), "--eval-batches", "1",
-                        "--sample-tokens", "0",
-                    ]  # fmt: skip
-                    finished = subprocess.run(command, capture_output=True, text=True)
-                    record = records.make("check", "train-attention") | {
-                        "attention": name, "length": length, "dtype": dtype, "batch": 1,
-                        "steps": steps, "status": "ok" if finished.returncode == 0 else "error",
-                    }  # fmt: skip
-                    if finished.returncode == 0:
-                        last = [
-                            r for r in records.read(folder / METRICS) if r["kind"] == "train_step"
-                        ][-1]
-                        record |= {
-                            key: last[key]
-                            for key in ("tokens_per_second", "memory_metric", "peak_bytes")
-                        }
-                    else:
-                        record["reason"] = finished.stderr.strip().splitlines()[-1:]
-                    records.append(output, record)
-                    print(json.dumps(record))
+        run_id = records.new_run()
+        for round in range(1, rounds + 1):
+            order = list(implementations) if round % 2 else list(reversed(implementations))
+            for length in lengths:
+                for packed in packing:
+                    for dtype in dtypes:
+                        for name in order:
+                            record = _train_attention(
+                                corpus, Path(scratch, "run"), name, length, packed, dtype, steps,
+                                half,
+                            )  # fmt: skip
+                            record |= {"run": run_id, "round": round}
+                            records.append(output, record)
+                            print(json.dumps(record))
+
+
+def _train_attention(corpus, folder, name, length, packed, dtype, steps, half) -> dict:
+    """One ``octlm train`` process with attention ``name``; its record."""
+    batch = max(1, TOKENS_PER_STEP // length)
+    command = [
+        sys.executable, "-m", "octlm", "train", "--data", str(corpus), "--out", str(folder),
+        "--overwrite", "--attention", name, "--length", str(length), "--batch", str(batch),
+        "--pack" if packed else "--no-pack", "--dtype", dtype, "--steps", str(2 * half),
+        "--log-every", str(half), "--eval-every", str(10**6), "--checkpoint-every", str(10**6),
+        "--eval-batches", "1", "--sample-tokens", "0",
+    ]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True)
+    record = records.make("check", "train-attention") | {
+        "attention": name, "length": length, "packed": packed, "dtype": dtype, "batch": batch,
+        "steps": 2 * half, "status": "ok" if finished.returncode == 0 else "error",
+    }  # fmt: skip
+    if finished.returncode != 0:
+        return record | {"reason": finished.stderr.strip().splitlines()[-1:]}
+    last = [r for r in records.read(folder / METRICS) if r["kind"] == "train_step"][-1]
+    return record | {key: last[key] for key in ("tokens_per_second", "memory_metric", "peak_bytes")}
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -207,13 +234,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "--lengths", nargs="+", type=positive_int, metavar="T",
         help="tokens per row (default 256 1024 for overhead, 1024 4096 for attention)",
     )  # fmt: skip
-    parser.add_argument("--steps", type=positive_int, help="steps per run (default 5, 2)")
+    parser.add_argument("--steps", type=positive_int, help="steps per run (default 5, 6)")
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="overhead: runs of each, interleaved"
     )
     parser.add_argument(
         "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
         help="attention: the training dtypes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
+        help="attention: the implementations (default all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--packing", nargs="+", choices=("off", "on"), default=["off"],
+        help="attention: random windows (off), rows of whole documents (on), or both",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=positive_int, default=1,
+        help="attention: rounds of every run, the implementations alternating",
     )  # fmt: skip
     parser.add_argument("--output", default=OUTPUT)
     args = parser.parse_args(argv)
@@ -232,7 +271,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if "overhead" in args.what:
             overhead(args.output, repeats=args.repeats, **sizes)
         if "attention" in args.what:
-            attention(args.output, dtypes=args.dtypes, **sizes)
+            attention(
+                args.output, dtypes=args.dtypes, implementations=args.attention,
+                packing=[mode == "on" for mode in args.packing], rounds=args.rounds, **sizes,
+            )  # fmt: skip
 
     return run_stoppable(
         parser.prog, work, {OSError: 1}, kept=f"finished records are in {args.output}"

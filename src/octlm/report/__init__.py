@@ -8,7 +8,9 @@ by kind (:mod:`octlm.report.collect`); each section is one module:
 - :mod:`~octlm.report.rounds`: ratios within a round, contention, the matmul peak.
 - :mod:`~octlm.report.equivalence`: ``octlm verify``'s worst figures.
 - :mod:`~octlm.report.structure`: window, prefill, decode and padding against a dense mask.
+- :mod:`~octlm.report.route`: ``attention="auto"`` against the faster of FLASH and tiled.
 - :mod:`~octlm.report.ring`: ring attention over several processes.
+- :mod:`~octlm.report.train_steps`: tokens per second of training with each attention.
 - :mod:`~octlm.report.training`: a training run's metrics, when its file is given.
 - :mod:`~octlm.report.plots` and :mod:`~octlm.report.measurements`: every plain measurement.
 
@@ -25,7 +27,16 @@ from pathlib import Path
 
 from octlm import records
 from octlm.report import claims as day2
-from octlm.report import equivalence, measurements, ring, rounds, structure, training
+from octlm.report import (
+    equivalence,
+    measurements,
+    ring,
+    rounds,
+    route,
+    structure,
+    train_steps,
+    training,
+)
 from octlm.report.claims import claims
 from octlm.report.collect import Collected, busy, collect
 from octlm.report.format import BUSY_NOTE, NOT_MEASURED, table
@@ -72,8 +83,13 @@ def _sections(found: Collected, folder: Path) -> list[str]:
     lines += equivalence.section(found.verify)
     lines += ["## Structure cases: tiled against SDPA with a dense mask", ""]
     lines += structure.section(rows)
+    lines += ['## `attention="auto"` against the faster of FLASH and tiled', ""]
+    lines += route.section(found)
     lines += ["## Context parallel: ring attention over W processes (`octlm.bench.ring`)", ""]
     lines += ring.section(found.ring)
+    if found.train_attention:
+        lines += ["## Training steps with each attention (`octlm bench --suite training`)", ""]
+        lines += train_steps.section(found.train_attention)
     if found.train:
         lines += ["## Training run", ""]
         lines += training.section(found.train)

@@ -30,6 +30,7 @@ class Collected:
     peaks: list[dict] = field(default_factory=list)
     verify: list[dict] = field(default_factory=list)
     train: list[dict] = field(default_factory=list)  # train_step and eval
+    train_attention: list[dict] = field(default_factory=list)  # octlm bench --suite training
     skipped: list[records.Skipped] = field(default_factory=list)
 
     @property
@@ -61,6 +62,8 @@ def collect(paths: Iterable[str | os.PathLike]) -> Collected:
                 found.peaks.append(record)
             elif kind == "verify":
                 verify.append(record)
+            elif kind == "check" and record.get("experiment") == "train-attention":
+                found.train_attention.append(record)
             elif kind in ("train_step", "eval"):
                 found.train.append({**record, "source": str(path)})
     found.verify = latest_runs(verify)

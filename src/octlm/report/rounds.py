@@ -29,10 +29,10 @@ def _names(field: str) -> list[str]:
     return ["device", *(name for name in KEY_FIELDS if name not in varied)]
 
 
-def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, dict]]]:
-    """``{(the other fields, top value): [(top record, bottom record) per round]}``: ok records
-    of one round of one run that differ only in ``field``, the bottom one having value
-    ``bottom``. Records of different runs never pair, even under one round number."""
+def by_round(found: Collected, field: str) -> dict[tuple, dict]:
+    """``{(the other fields, machine, run, round): {value of field: record}}`` over the ok
+    records: each inner dict holds the records of one round of one run that differ only in
+    ``field``."""
     names = _names(field)
     rounds: dict[tuple, dict] = {}
     for (machine, key, round), record in found.rounds.items():
@@ -42,8 +42,15 @@ def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, 
             rest = tuple(shape[name] for name in names)
             place = (rest, machine, record.get("run"), round)
             rounds.setdefault(place, {})[value or False] = record
+    return rounds
+
+
+def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, dict]]]:
+    """``{(the other fields, top value): [(top record, bottom record) per round]}``: ok records
+    of one round of one run that differ only in ``field``, the bottom one having value
+    ``bottom``. Records of different runs never pair, even under one round number."""
     out: dict[tuple, list[tuple[dict, dict]]] = {}
-    for (rest, _machine, _run, _round), by in sorted(rounds.items(), key=str):
+    for (rest, _machine, _run, _round), by in sorted(by_round(found, field).items(), key=str):
         if bottom in by:
             for value, record in by.items():
                 if value != bottom:
@@ -51,11 +58,11 @@ def pairs(found: Collected, field: str, bottom) -> dict[tuple, list[tuple[dict, 
     return out
 
 
-def _shape(rest: tuple, field: str) -> dict:
+def shape_of(rest: tuple, field: str) -> dict:
     return dict(zip(_names(field), rest, strict=True))
 
 
-def _describe(shape: dict) -> str:
+def describe(shape: dict) -> str:
     q_len, length = shape["q_len"] or shape["length"], shape["length"]
     text = (
         f"{shape['mode']} {shape['dtype']} {length:,}"
@@ -108,7 +115,7 @@ def longest(found_pairs: dict[tuple, list], field: str) -> list[tuple[dict, str,
     a reading order: device, mode, dtype, structure, backend."""
     kept: dict[tuple, tuple[dict, str, list]] = {}
     for (rest, value), pairs_ in found_pairs.items():
-        shape = _shape(rest, field)
+        shape = shape_of(rest, field)
         if shape["busy"]:
             continue
         square = shape["q_len"] in (None, shape["length"])
@@ -127,7 +134,7 @@ def section(found: Collected) -> list[str]:
         ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
         tops, bottoms = zip(*found_pairs, strict=True)
         body.append([
-            f"{shape['device']} {_describe(shape)}", f"{backend} ÷ FLASH", spread(ratios),
+            f"{shape['device']} {describe(shape)}", f"{backend} ÷ FLASH", spread(ratios),
             _of_peak(found, list(tops)), _of_peak(found, list(bottoms)), _flagged(found_pairs),
         ])  # fmt: skip
     lines += ["### Time ratios within a round (longest length of each series)", ""]
@@ -165,7 +172,7 @@ def _dtypes(found: Collected) -> list[str]:
     body = []
     for shape, dtype, found_pairs in longest(pairs(found, "dtype", "float32"), "dtype"):
         ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
-        shown = _describe({**shape, "dtype": dtype}).replace(f" {dtype}", "")
+        shown = describe({**shape, "dtype": dtype}).replace(f" {dtype}", "")
         body.append([
             f"{shape['device']} {shape['backend']} {shown}", f"{dtype} ÷ float32", spread(ratios),
             _flagged(found_pairs),
@@ -178,12 +185,12 @@ def _contention(found: Collected) -> list[str]:
     growth = pairs(found, "busy", False)
     body = []
     for (rest, _), tiled in growth.items():
-        shape = _shape(rest, "busy")
+        shape = shape_of(rest, "busy")
         if shape["backend"] != "tiled":
             continue
         flash = growth.get((tuple({**shape, "backend": "flash", "block": None}.values()), True))
         tiled_growth = _growths(tiled)
-        cells = [f"{shape['device']} {_describe(shape)}", spread(list(tiled_growth.values()))]
+        cells = [f"{shape['device']} {describe(shape)}", spread(list(tiled_growth.values()))]
         if not flash:
             body.append([*cells, NOT_MEASURED, "", ""])
             continue

@@ -28,7 +28,7 @@ TARGETS = {
 }
 
 
-def _case(record: dict) -> str | None:
+def case_of(record: dict) -> str | None:
     """Which structure case of :data:`TARGETS` a record measures, if any."""
     window, padding = record.get("window"), record.get("padding")
     length = record["length"]
@@ -57,7 +57,7 @@ OTHER_SHAPE = {"batch": 1, "heads": 8, "kv_heads": 8, "head_size": 32, "causal":
 def section(rows: list[dict]) -> list[str]:
     groups: dict[str, dict[tuple, dict[str, dict]]] = {case: {} for case in TARGETS}
     for r in rows:
-        case = _case(r)
+        case = case_of(r)
         if case in groups:
             shape = (where(r), *(r.get(name) for name in (*STRUCTURE_SHAPE[1:], *OTHER_SHAPE)))
             groups[case].setdefault(shape, {})[backend_label(r)] = r

@@ -1,0 +1,74 @@
+"""Held-out bits per byte of training runs over their whole validation split, one protocol for
+every tokenizer: a fairer final figure than a run's own evaluation, which samples windows.
+
+    .venv/bin/python benchmarks/held_out_bits.py RUN_DIR [RUN_DIR ...] [--output FILE]
+
+Each run's latest checkpoint reads its validation tokens in consecutive windows of the run's
+``--length`` that overlap by one token, so every token after the first is predicted exactly once,
+from at most ``length`` tokens of context. The summed losses (in bits) over the bytes those
+targets stand for give bits per byte, on the same bytes whatever the tokenizer. One JSON record
+per run is printed, and appended to ``--output`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import octlm
+from octlm import records
+from octlm.training import data
+
+BATCH = 32  # windows per forward pass
+
+
+def held_out(folder: Path) -> dict:
+    """The record of one run: its step, and bits per byte over the whole validation split."""
+    model, tokenizer, step = octlm.load_run(folder)
+    length = json.loads((folder / "config.json").read_text())["run"]["length"]
+    tokens = data.load_tokens(folder / "data", "val", length).long()  # (N,)
+    token_bytes = tokenizer.token_bytes  # (V,)
+    starts = range(0, len(tokens) - 1, length)
+    full = [s for s in starts if s + length + 1 <= len(tokens)]
+    batches = [
+        torch.stack([tokens[s : s + length + 1] for s in full[i : i + BATCH]])
+        for i in range(0, len(full), BATCH)
+    ]  # (B, T + 1) each
+    batches += [tokens[s:][None] for s in starts if s + length + 1 > len(tokens)]  # (1, < T + 1)
+    nats, covered = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(batch[:, :-1])  # (B, T, V)
+            targets = batch[:, 1:]  # (B, T)
+            nats += F.cross_entropy(
+                logits.flatten(0, 1).double(), targets.flatten(), reduction="sum"
+            ).item()
+            covered += int(token_bytes[targets].sum())
+    return records.make("check", "held-out-bits") | {
+        "folder": str(folder), "step": step, "tokenizer": tokenizer.name,
+        "length": length, "targets": len(tokens) - 1, "bytes": covered,
+        "bits_per_byte": nats / math.log(2) / covered,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--output", type=Path, help="records file to append to")
+    args = parser.parse_args(argv)
+    for folder in args.runs:
+        record = held_out(folder)
+        if args.output is not None:
+            records.append(args.output, record)
+        print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
