@@ -38,13 +38,16 @@ report: $(VENV)/.installed
 	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/*.jsonl
 
 # The reference figures README quotes: every CPU suite, the baseline and training grids in
-# three rounds, and FLASH against tiled beside a competing process (--busy). About 45 minutes
-# on 2 cores.
+# three rounds, and FLASH against tiled beside a competing process (--busy). About an hour on
+# 2 cores.
 reference: $(VENV)/.installed
 	$(PY) -m octlm verify --out runs
 	$(PY) -m octlm bench --suite baseline --resume --rounds 3
 	$(PY) -m octlm bench --suite train --resume --rounds 3
 	$(PY) -m octlm bench --suite structure --resume
+	$(PY) -m octlm bench --suite route --resume --rounds 3
+	$(PY) -m octlm bench --suite training --what attention --attention sdpa tiled auto \
+		--lengths 256 1024 4096 --packing off on --dtypes float32 --rounds 3
 	$(PY) -m octlm bench --backends flash tiled --lengths 8192 --busy --rounds 3 --resume \
 		--output runs/bench-contention-cpu.jsonl
 	$(PY) -m octlm.bench.ring

@@ -121,7 +121,7 @@ def test_the_training_suite_alternates_the_attentions_round_by_round(tmp_path, m
 
     def fake(corpus, folder, name, length, packed, dtype, steps, half):
         calls.append((name, length, packed))
-        return {"attention": name, "length": length, "packed": packed, "status": "ok"}
+        return records.make("check", "train-attention", CONTEXT) | {"attention": name}
 
     monkeypatch.setattr(training, "_train_attention", fake)
     output = tmp_path / "steps.jsonl"

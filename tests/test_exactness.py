@@ -392,6 +392,20 @@ def test_property_large_scores_and_alibi_biases(length, block, magnitude, slope)
     )
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: at scores of about 30 with a distance bias, tiled's forward error is 4.99e-06 "
+    "against the rule's 4.8e-06 (2 x the plain method's 1.9e-06 + atol): a counterexample of "
+    "the property test above",
+)
+def test_large_scores_with_a_distance_bias_on_small_tiles():
+    query, key, value = make_qkv(batch=1, heads=2, kv_heads=2, q_len=35, head_size=16)
+    position = torch.arange(35)
+    bias = -(position[:, None] - position[None, :]).abs().double()
+    check_forward_and_backward(query * 30.0, key, value, (16, 16), gradients=False,
+                               mask=bias.float())  # fmt: skip
+
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     length=st.integers(2, 100),

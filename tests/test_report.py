@@ -557,7 +557,7 @@ def routed(backend: str, seconds: float, round: int, **grid) -> dict:
 def test_the_route_table_divides_auto_by_the_faster_path_of_each_round(tmp_path):
     """Per round, auto's time over the faster of FLASH and tiled, whichever that is; the path
     auto took; met when the median is at most 1.05."""
-    plain = [(0.50, 0.40, 0.60), (0.45, 0.44, 0.70), (0.52, 0.41, 0.50)]  # auto, flash, tiled
+    plain = [(0.50, 0.40, 0.60), (0.45, 0.44, 0.70), (0.52, 0.50, 0.41)]  # auto, flash, tiled
     documents = [(0.25, 2.0, 0.20), (0.30, 2.1, 0.29), (0.205, 1.9, 0.20)]
     found = []
     for round, ((a, f, t), (da, df, dt)) in enumerate(zip(plain, documents, strict=True), 1):

@@ -110,7 +110,8 @@ def _sources(found: Collected) -> list[str]:
     lines = [
         f"{found.count} records from {names}: {len(rows)} benchmark measurements, "
         f"{len(found.verify)} verification checks, {len(found.ring)} ring measurements, "
-        f"{len(found.train)} training metrics.",
+        f"{len(found.train)} training metrics, {len(found.train_attention)} training-step "
+        "measurements.",
         "",
     ]
     lines += [f"- skipped: {note}" for note in found.skipped]

@@ -40,7 +40,7 @@ class Collected:
 
     @property
     def count(self) -> int:
-        parts = (self.rounds, self.ring, self.peaks, self.verify, self.train)
+        parts = (self.rounds, self.ring, self.peaks, self.verify, self.train, self.train_attention)
         return sum(len(part) for part in parts)
 
 

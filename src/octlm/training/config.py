@@ -43,9 +43,6 @@ RESUMABLE = frozenset(
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
     | {"fsdp", "context_parallel"}
 )
-# What a run did before a field existed, where that is not the field's default: a run
-# folder's config.json that lacks the field is such a run.
-BEFORE_FIELD = {"optimizer": "adamw"}
 
 
 def _option(default, help: str, **flag):
@@ -89,9 +86,9 @@ class RunConfig:
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
     optimizer: str = _option(
-        "muon", "muon: Muon for the blocks' matrices, AdamW for the rest; or adamw for all"
+        "adamw", "adamw for all; or muon: Muon for the blocks' matrices, AdamW for the rest"
     )
-    lr: float = _option(3e-3, "peak learning rate of AdamW")
+    lr: float = _option(3e-3, "peak learning rate (of the AdamW part with --optimizer muon)")
     muon_lr: float = _option(6e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
     min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of the peak")
     warmup: int = _option(50, "steps of linear warm-up before the cosine decay")
@@ -258,8 +255,6 @@ def resolve(
     given = given | (model or {})
     model_values = dict(PRESETS[preset or DEFAULT_PRESET]) | given
     run_values = _checked_keys(content.get("run", {}), run_fields, f"config {file} [run]")
-    if resume is not None:
-        run_values = BEFORE_FIELD | run_values
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
     if run_config.init_from is not None and resume is None:
@@ -415,13 +410,11 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
 def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError naming every field where a resumed run departs from ``stored``.
 
-    A field ``stored`` lacks (the run is older than the field) had its ``BEFORE_FIELD`` value,
-    else its default.
+    A field ``stored`` lacks (the run is older than the field) had its default value.
     """
     resolved = _as_json(to_dict(model, run))
     # The stored model resolved: a field it predates gets the default its own sizes imply.
     defaults = _as_json(to_dict(model_from_dict(stored["model"]), RunConfig()))
-    defaults["run"] |= BEFORE_FIELD
     differences = [
         f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")
