@@ -119,7 +119,7 @@ def test_the_training_suite_alternates_the_attentions_round_by_round(tmp_path, m
 
     calls = []
 
-    def fake(corpus, folder, name, length, packed, dtype, steps, half):
+    def fake(corpus, folder, name, length, packed, dtype, half):
         calls.append((name, length, packed))
         return records.make("check", "train-attention", CONTEXT) | {"attention": name}
 
@@ -143,7 +143,7 @@ def test_one_training_step_run_is_a_real_octlm_train_with_packed_rows(tmp_path):
     corpus = training._corpus(tmp_path)
     assert len(list(corpus.rglob("*.txt"))) > 10  # many documents, for packing
     record = training._train_attention(
-        corpus, tmp_path / "run", "auto", 128, True, "float32", steps=2, half=1
+        corpus, tmp_path / "run", "auto", 128, True, "float32", half=1
     )
     assert record["status"] == "ok", record
     assert record["batch"] == training.TOKENS_PER_STEP // 128 and record["packed"] is True

@@ -197,16 +197,16 @@ def attention(
                     for dtype in dtypes:
                         for name in order:
                             record = _train_attention(
-                                corpus, Path(scratch, "run"), name, length, packed, dtype, steps,
-                                half,
-                            )  # fmt: skip
+                                corpus, Path(scratch, "run"), name, length, packed, dtype, half
+                            )
                             record |= {"run": run_id, "round": round}
                             records.append(output, record)
                             print(json.dumps(record))
 
 
-def _train_attention(corpus, folder, name, length, packed, dtype, steps, half) -> dict:
-    """One ``octlm train`` process with attention ``name``; its record."""
+def _train_attention(corpus, folder, name, length, packed, dtype, half) -> dict:
+    """One ``octlm train`` process with attention ``name``, ``2 * half`` steps logged every
+    ``half``; its record."""
     batch = max(1, TOKENS_PER_STEP // length)
     command = [
         sys.executable, "-m", "octlm", "train", "--data", str(corpus), "--out", str(folder),
