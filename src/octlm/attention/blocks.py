@@ -71,26 +71,27 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class Units:
     """The units scores are kept in: ``unit`` times natural units, exponentiated in base
     ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is about
-    twice as cheap as ``exp`` on CPU. Natural units when the caller offsets scores by finite
-    values of ``LARGE_OFFSET`` or more (a float mask, the sinks): there the offset's rounding,
-    not the scores', sets the error, and scaling by ``log2(e)`` can carry a sum into the next
-    binade and double it; and a value near ``finfo.max`` (``finfo.min`` masks) would overflow,
-    where it is still a score and must keep its place in the softmax."""
+    twice as cheap as ``exp`` on CPU. Natural units where a term joins the scores (a float
+    mask, ALiBi, a softcap; docs/design.md §7): the tile is then formed as naive forms it, to
+    the last bit where the matmul sums alike. And where the sinks offset scores by finite
+    values of ``LARGE_OFFSET`` or more: there the offset's rounding, not the scores', sets
+    the error, and scaling by ``log2(e)`` can carry a sum into the next binade and double it;
+    and a value near ``finfo.max`` would overflow, where it is still a score and must keep its
+    place in the softmax."""
 
     unit: float
 
     @staticmethod
-    def choose(*offsets: Tensor | None) -> Units:
-        largest = 0.0
-        for offset in offsets:
-            if offset is None or not offset.is_floating_point() or not offset.numel():
-                continue
-            low, high = torch.aminmax(offset)
-            if not bool(low.isfinite() & high.isfinite()):  # -inf hides in any base, and NaN
-                offset = offset.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # has no size
-                low, high = torch.aminmax(offset)
-            largest = max(largest, -float(low), float(high))
-        return Units(1.0) if largest >= LARGE_OFFSET else Units(LOG2E)
+    def choose(rules: Rules) -> Units:
+        mask, sinks = rules.mask, rules.sinks
+        if rules.softcap is not None or rules.alibi_slopes is not None:
+            return Units(1.0)
+        if mask is not None and mask.is_floating_point():
+            return Units(1.0)
+        if sinks is None or not sinks.numel():
+            return Units(LOG2E)
+        sizes = sinks.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs()  # -inf hides in any
+        return Units(1.0) if float(sizes.max()) >= LARGE_OFFSET else Units(LOG2E)  # base
 
     def exp_(self, x: Tensor) -> Tensor:
         return x.exp2_() if self.unit != 1.0 else x.exp_()
@@ -666,7 +667,7 @@ def _forward_pass(
     sinks = rules.sinks
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
-    units = Units.choose(mask, sinks)
+    units = Units.choose(rules)
     if 0 in query.shape or 0 in key.shape:  # no rows, or no keys to see: zeros, as naive gives
         nothing = query.new_zeros(query.shape[:-1], dtype=dtype)  # (B, H, Q)
         if sinks is None:
@@ -859,7 +860,7 @@ def attend_backward(
         zeros = (torch.zeros_like(x, dtype=dtype) for x in (query, key, value))
         return tuple(zeros)
     if isinstance(lse, Tensor):  # the log-sum-exp alone: shift by it, total 1
-        units = Units.choose(mask, rules.sinks)
+        units = Units.choose(rules)
         seen = lse > NEG_INF
         shift = (lse.to(dtype) * units.unit).masked_fill(~seen, 0.0)
         lse = RowStats(shift, seen.to(dtype), units, careful=not _all_finite(query, key, value))
@@ -935,17 +936,17 @@ def attend_backward(
                 mine = slice(columns.start - seen.start, columns.stop - seen.start)  # in the buffer
                 products = walk.tile("products", value.shape[0], len(columns), head_size)
                 size_t = (value.shape[0], len(columns), len(rows) * walk.group)
-                rebased = (rows.start, columns.start) in lse.rebased
-                if rebased:  # as the forward formed it: whole scores, then minus the shift
+                # As the forward formed the tile (whole scores, then minus the shift) wherever
+                # that costs no extra pass: its probabilities are then the forward's.
+                rebased = not fused or (rows.start, columns.start) in lse.rebased
+                if rebased:
                     whole = walk.rows(whole_queries, rows)[..., :head_size]
                     scores = walk.scores(whole, rows, columns, keys=whole_keys)  # (…, R, C)
                     probs_t = torch.sub(
                         scores.transpose(1, 2), shift_row, out=walk.tile("scores_t", *size_t)
                     )  # (B*Hkv, C, R)
-                else:
+                else:  # the shift in the matmul: keys first, no pass over the tile
                     probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (…, C, R)
-                    if not fused:
-                        probs_t.sub_(shift_row)
                 units.exp_(probs_t)  # exp(score - shift): probabilities times total
                 grad_value[:, mine] += torch.bmm(probs_t, do_block, out=products)
                 grad_scores_t = torch.bmm(

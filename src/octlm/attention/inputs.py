@@ -151,11 +151,13 @@ def _parameter(field: Field) -> inspect.Parameter:
 POSITIONAL, KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
 
 
-def check(call: Call, *, dropout: bool = True) -> Call:
+def check(call: Call, *, dropout: bool = True, values: bool = True) -> Call:
     """Validate ``call`` against docs/design.md §2; the same call with its ``scale`` filled in.
 
     ``dropout=False`` refuses ``dropout_p > 0``, for an implementation without attention
-    dropout.
+    dropout. ``values=False`` checks only types, shapes, devices and plain numbers, never a
+    tensor's values (no device synchronisation, meta tensors welcome): for :func:`route`,
+    whose choice runs no kernel; the implementations check the values too.
     """
     query, key, value = call.query, call.key, call.value
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -200,7 +202,7 @@ def check(call: Call, *, dropout: bool = True) -> Call:
         bound = getattr(call, name)
         if bound is not None:
             _check_integers(name, bound, query, (batch,), "(batch,)")
-            if batch and (bound.min() < 0 or bound.max() > k_len):
+            if values and batch and (bound.min() < 0 or bound.max() > k_len):
                 raise ValueError(f"{name} must lie in [0, k_len={k_len}], got {bound.tolist()}")
     if call.document_ids is not None:
         _check_integers(
