@@ -2,7 +2,9 @@
 
 :func:`route` holds the whole rule (docs/design.md §3) and says what it chose and why;
 :func:`auto_attention` follows it. Both implementations compute the same function (§4), so the
-choice changes speed and memory, never the result beyond rounding.
+choice changes speed and memory, never the result beyond rounding, with one exception: a NaN
+or infinity in a key or value that a row cannot see leaves the row alone in ``tiled``, while
+``sdpa`` may make the row NaN (docs/design.md §2).
 
 The rule rests on one observation: SDPA's fused kernel is the fastest path for a call it takes
 without a dense ``(q_len, k_len)`` mask, and tiled's block engine is the fastest wherever the
@@ -18,7 +20,7 @@ from octlm.attention.sdpa import sdpa_attention
 from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block, tiled_attention
 
 
-@attention_function()
+@attention_function(values=False)
 def route(call: Call) -> tuple[str, str]:
     """``(name, reason)``: the implementation ``attention="auto"`` runs for this call, and why.
 

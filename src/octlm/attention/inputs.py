@@ -77,16 +77,21 @@ TENSORS = frozenset(field.name for field in fields(Call) if not field.kw_only)
 
 
 def attention_function(
-    *, dropout: bool = True, keywords: tuple[str, ...] = KEYWORDS, checked: bool = True
+    *,
+    dropout: bool = True,
+    keywords: tuple[str, ...] = KEYWORDS,
+    checked: bool = True,
+    values: bool = True,
 ) -> Callable[[Callable], Callable]:
     """Make ``core(call, *, extra=...)`` the public ``f(query, key, value, *, <keywords>, extra)``.
 
     The public function takes the :class:`Call` fields named in ``keywords`` (defaults from
     :class:`Call`) and the core's own keywords; any other keyword is a ``TypeError`` naming it.
     It builds the call, validates it with :func:`check` (``dropout=False`` for a core without
-    attention dropout) unless ``checked=False`` (the ring checks in step with its peers), and
-    hands it to the core. Name, docstring and a real :func:`inspect.signature` come from the
-    core; ``f.core`` is the core itself, for a caller whose call is already checked.
+    attention dropout; ``values=False`` for a core that reads no tensor's values) unless
+    ``checked=False`` (the ring checks in step with its peers), and hands it to the core.
+    Name, docstring and a real :func:`inspect.signature` come from the core; ``f.core`` is
+    the core itself, for a caller whose call is already checked.
     """
     omitted = [name for name in KEYWORDS if name not in keywords]
 
@@ -105,7 +110,7 @@ def attention_function(
                 given = _bind(core.__name__, signature, args, kwargs, [p.name for p in extra])
             own = {p.name: given.pop(p.name) for p in extra if p.name in given}
             call = Call(**given)
-            return core(check(call, dropout=dropout) if checked else call, **own)
+            return core(check(call, dropout=dropout, values=values) if checked else call, **own)
 
         public.__signature__ = signature
         public.core = core

@@ -60,7 +60,10 @@ from octlm.context_parallel import (
     check_layout,
     check_shard,
     shard_pieces,
+    shard_sequence,
 )
+
+__all__ = ["ring_attention", "shard_sequence"]  # shard_sequence: the sharding the ring reads
 
 # The call keywords ring_attention takes: the common ones, and these structure and score ones.
 RING_KEYWORDS = (*COMMON, "document_ids", "softcap", "alibi_slopes", "sinks")
