@@ -14,11 +14,13 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import KW_ONLY, Field, dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from octlm.attention.block_masks import BlockMask
+if TYPE_CHECKING:
+    from octlm.attention.block_masks import BlockMask
 
 
 def _size(tensor: str, dim: int) -> property:
@@ -277,6 +279,9 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
 
 
 def _check_block_mask(block_mask, query: Tensor, full: tuple[int, int, int, int]) -> None:
+    # Imported here: block masks take the tiles' options, and the tiled package this module.
+    from octlm.attention.block_masks import BlockMask
+
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             f"block_mask must be a BlockMask (octlm.attention.block_masks) or None, got "

@@ -4,7 +4,7 @@ Each of the ``W`` ranks holds the query, key and value of its own positions of o
 sequence. Key/value shards travel once around the ring, rank ``r`` sending to ``r + 1`` and
 receiving from ``r - 1``; while the next shard is in flight, each rank attends its queries to
 the shard it holds with the tiled block functions, and folds the partial ``(out, lse)`` into
-its running result with :func:`~octlm.attention.blocks.merge`, which is exact. After ``W``
+its running result with :func:`~octlm.attention.tiled.core.merge`, which is exact. After ``W``
 steps every query has seen every key, and no rank ever held more than two key/value shards.
 
 The sequence is cut among ranks by a layout (:mod:`octlm.context_parallel`: ``zigzag`` keeps
@@ -42,17 +42,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from octlm.attention.blocks import (
-    Rules,
-    accumulation_dtype,
-    attend_backward,
-    attend_forward,
-    merge,
-    slope_gradient,
-)
 from octlm.attention.inputs import COMMON, Call, attention_function, check
 from octlm.attention.masks import key_range
-from octlm.attention.tiles import DEFAULT_BLOCK, parse_block
+from octlm.attention.tiled.backward import attend_backward, slope_gradient
+from octlm.attention.tiled.core import Rules, accumulation_dtype, merge
+from octlm.attention.tiled.forward import attend_forward
+from octlm.attention.tiled.options import DEFAULT_BLOCK, parse_block
 from octlm.context_parallel import (
     DEFAULT_LAYOUT,
     Piece,

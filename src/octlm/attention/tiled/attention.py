@@ -1,4 +1,4 @@
-"""Tiled attention: the block engine of :mod:`octlm.attention.blocks` behind autograd.
+"""Tiled attention: the block engine of :mod:`octlm.attention.tiled` behind autograd.
 
 FlashAttention's blocking in plain PyTorch: exact attention with O(T) memory on any device PyTorch
 runs on, differentiable through its own recomputing backward (FlashAttention-2). The forward saves
@@ -15,19 +15,17 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from octlm.attention.blocks import (
-    RowStats,
-    Rules,
+from octlm.attention.inputs import Call, attention_function
+from octlm.attention.tiled.backward import (
     attend_backward,
     delta_error,
-    forward_rows,
     sink_gradient,
     sink_share,
     slope_gradient,
-    unfold_heads,
 )
-from octlm.attention.inputs import Call, attention_function
-from octlm.attention.tiles import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.attention.tiled.core import RowStats, Rules, unfold_heads
+from octlm.attention.tiled.forward import forward_rows
+from octlm.attention.tiled.options import DEFAULT_BLOCK, KERNELS, parse_block
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -165,7 +163,7 @@ def tiled_attention(
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key (the
             sink's logit with ``sinks``, which is always in the denominator). It carries no
             gradient: a loss that uses it gets none through it.
-        kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
+        kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.tiled.triton_flash`, which
             picks its own tiles and implements every argument here but ``mask`` and
             ``block_mask``, forward and backward) for CUDA tensors when Triton is installed, no
             ``mask`` is given, the dtype is not float64 and ``head_size <= 256``; the
@@ -184,7 +182,7 @@ def tiled_attention(
             f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
         )
     if kernel == "triton" or (kernel == "auto" and not pytorch_only and _triton_fits(call)):
-        from octlm.attention.triton_flash import triton_attention
+        from octlm.attention.tiled.triton_flash import triton_attention
 
         return triton_attention.core(call, return_lse=return_lse)
     rules = Rules(
@@ -215,7 +213,7 @@ def _triton_fits(call: Call) -> bool:
     if query.dtype == torch.float64 or call.head_size > 256:
         return False
     try:
-        from octlm.attention.triton_flash import is_available
+        from octlm.attention.tiled.triton_flash import is_available
     except ImportError:
         return False
     return is_available(query.device)
