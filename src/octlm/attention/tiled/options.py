@@ -1,7 +1,6 @@
 """Tiles of tiled attention: how a block size is given and checked, its default, the kernels.
 
-A leaf module, so that the model, the benchmarks and the report read these without importing
-an implementation.
+Imports nothing of octlm, so that block masks, which share the tiles, can sit below tiled.
 """
 
 from __future__ import annotations
