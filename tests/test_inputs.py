@@ -200,8 +200,7 @@ def test_kernel_choice_is_validated_and_routed(monkeypatch):
     query, key, value = qkv()
     assert not tiled._triton_fits(Call(query, key, value))  # CPU tensors stay on PyTorch's path
     calls = []
-    kernel = types.SimpleNamespace(core=lambda call, **kw: calls.append(call))  # a checked call
-    stand_in = types.SimpleNamespace(triton_attention=kernel)
+    stand_in = types.SimpleNamespace(triton_call=lambda call, **kw: calls.append(call))
     monkeypatch.setitem(sys.modules, "octlm.attention.tiled.triton_flash", stand_in)
     monkeypatch.setattr(tiled, "_triton_fits", lambda *a: True)
     tiled_attention(query, key, value, window=3)

@@ -26,7 +26,6 @@ from octlm.attention import (
     sdpa_attention,
 )
 from octlm.attention.block_masks import prefix_lm_mod
-from octlm.attention.inputs import Call
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge
 from octlm.training.config import resolve
 from tests.helpers import assert_judged, make_qkv, reference
@@ -164,8 +163,7 @@ def test_route_reads_no_tensor_values():
     meta = [x.to("meta") for x in _inputs(LENGTH, LENGTH)]
     lengths = torch.tensor([LENGTH, 3], device="meta")
     documents = _documents().to("meta")
-    call = Call(*meta, key_lengths=lengths, document_ids=documents, window=5)
-    name, reason = route.core(call)
+    name, reason = route(*meta, key_lengths=lengths, document_ids=documents, window=5)
     assert name == "tiled" and "document_ids" in reason and "key_lengths" in reason
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from octlm.attention.inputs import COMMON, Call, attention_function, check
+from octlm.attention.inputs import COMMON, Call, call_of, check, keyword_only
 from octlm.attention.masks import key_range
 from octlm.attention.tiled.backward import attend_backward, slope_gradient
 from octlm.attention.tiled.core import Rules, accumulation_dtype, merge
@@ -273,10 +273,22 @@ class _RingAttention(torch.autograd.Function):
         return *grads, None, grad_alibi, grad_sinks, None, None
 
 
-@attention_function(dropout=False, keywords=RING_KEYWORDS, checked=False)
+@keyword_only
 def ring_attention(
-    call: Call,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     group: dist.ProcessGroup | None = None,
     layout: str = DEFAULT_LAYOUT,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
@@ -314,6 +326,7 @@ def ring_attention(
     Returns:
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
+    call = call_of(locals())
     try:  # checked here, not before: every rank must reach agree, even one whose call is bad
         call, block, problem = _check_call(call, layout), parse_block(block), None
     except (TypeError, ValueError) as error:

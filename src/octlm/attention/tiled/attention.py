@@ -11,11 +11,12 @@ ids; the backward recomputes each block's probabilities from them. For CUDA tens
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from octlm.attention.inputs import Call, attention_function
+from octlm.attention.inputs import Call, call_of, check, keyword_only
 from octlm.attention.tiled.backward import (
     attend_backward,
     delta_error,
@@ -26,6 +27,9 @@ from octlm.attention.tiled.backward import (
 from octlm.attention.tiled.core import RowStats, Rules, unfold_heads
 from octlm.attention.tiled.forward import forward_rows
 from octlm.attention.tiled.options import DEFAULT_BLOCK, KERNELS, parse_block
+
+if TYPE_CHECKING:
+    from octlm.attention.block_masks import BlockMask
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -113,10 +117,24 @@ def _rules_with(rules, mask, key_lengths, key_starts, document_ids, alibi_slopes
     )  # fmt: skip
 
 
-@attention_function(dropout=False)
+@keyword_only
 def tiled_attention(
-    call: Call,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask: BlockMask | None = None,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     return_lse: bool = False,
     kernel: str = "auto",
@@ -173,6 +191,14 @@ def tiled_attention(
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
     """
+    call = check(call_of(locals()), dropout=False)
+    return tiled_call(call, block=block, return_lse=return_lse, kernel=kernel)
+
+
+def tiled_call(
+    call: Call, *, block: int | tuple[int, int], return_lse: bool = False, kernel: str = "auto"
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`tiled_attention` of a checked call."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     block = parse_block(block)  # checked on every path, used by the PyTorch one
@@ -182,9 +208,9 @@ def tiled_attention(
             f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
         )
     if kernel == "triton" or (kernel == "auto" and not pytorch_only and _triton_fits(call)):
-        from octlm.attention.tiled.triton_flash import triton_attention
+        from octlm.attention.tiled.triton_flash import triton_call
 
-        return triton_attention.core(call, return_lse=return_lse)
+        return triton_call(call, return_lse=return_lse)
     rules = Rules(
         past=call.past, scale=call.scale, causal=call.causal, window=call.window, block=block,
         softcap=call.softcap, block_mask=call.block_mask,

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from octlm.attention.inputs import COMMON, Call, attention_function
+from octlm.attention.inputs import COMMON, Call, call_of, check, keyword_only
 
 # The call keywords triton_attention takes: all but ``block_mask`` (and a ``mask`` is refused).
 TRITON_KEYWORDS = (*COMMON, "key_starts", "document_ids", "softcap", "alibi_slopes", "sinks")
@@ -614,8 +614,25 @@ def _padding_bounds(query: Tensor, k_len: int, key_starts, key_lengths) -> Tenso
     return torch.stack([starts.to(torch.int32), ends.to(torch.int32)], dim=1)  # (B, 2)
 
 
-@attention_function(dropout=False, keywords=TRITON_KEYWORDS)
-def triton_attention(call: Call, *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+@keyword_only
+def triton_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention by FlashAttention-2 Triton kernels, differentiable.
 
     Args:
@@ -643,6 +660,11 @@ def triton_attention(call: Call, *, return_lse: bool = False) -> Tensor | tuple[
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
         Gradients are deterministic: no atomics, GQA groups summed in a fixed order.
     """
+    return triton_call(check(call_of(locals()), dropout=False), return_lse=return_lse)
+
+
+def triton_call(call: Call, *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`triton_attention` of a checked call."""
     mask = call.mask
     if mask is not None:
         raise ValueError(
