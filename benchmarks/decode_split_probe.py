@@ -8,7 +8,7 @@ median of ``--calls`` calls each of:
 - ``plain``: the fewest PyTorch operations of one softmax over the keys (score product,
   maximum, exponential, sum, value product, division), with PyTorch's intra-op threads;
 - ``heads``: the same, the heads split in two halves run on two Python threads with
-  single-threaded operations (``octlm.attention.threads.parallel_map``);
+  single-threaded operations (``octlm.attention.tiled.threads.parallel_map``);
 - ``keys``: the same, the keys split in two halves, their partial results merged exactly.
 
 Prints each median and the largest difference from SDPA's output. ``--variants`` picks some:
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from octlm.attention.threads import parallel_map
+from octlm.attention.tiled.threads import parallel_map
 
 HEADS, HEAD_SIZE = 8, 32
 LOG2E = math.log2(math.e)

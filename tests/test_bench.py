@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from octlm import records
-from octlm.attention.tiles import DEFAULT_BLOCK
+from octlm.attention.tiled.options import DEFAULT_BLOCK
 from octlm.bench import driver, ring, worker
 from octlm.bench.suites import FEATURES, Grid, Measurement, suite
 from octlm.bench.worker import FAULT_ENV

@@ -110,7 +110,7 @@ def test_tiled_block_mask_forward_and_gradients_in_float64(name, block):
 
 
 def test_empty_blocks_are_skipped_and_full_ones_unmasked(monkeypatch):
-    from octlm.attention.blocks import BlockWalk
+    from octlm.attention.tiled.walk import BlockWalk
 
     visited = []
     original = BlockWalk.scores

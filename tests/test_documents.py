@@ -142,7 +142,7 @@ def test_rows_whose_document_is_padded_away_are_zero_with_zero_gradient():
 def count_visits(monkeypatch):
     """Record every (rows, columns) block pair the forward computes, and whether the walk
     masks it by document."""
-    from octlm.attention.blocks import BlockWalk
+    from octlm.attention.tiled.walk import BlockWalk
 
     visited = []
     original = BlockWalk.scores

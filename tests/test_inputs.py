@@ -193,16 +193,15 @@ def test_kernel_choice_is_validated_and_routed(monkeypatch):
     here (its CPU interpreter must be switched on before the first import, in test_triton)."""
     import types
 
-    import octlm.attention.tiled as tiled
+    import octlm.attention.tiled.attention as tiled
 
     with pytest.raises(ValueError, match="kernel must be one of"):
         tiled_attention(*qkv(), kernel="cuda")
     query, key, value = qkv()
     assert not tiled._triton_fits(Call(query, key, value))  # CPU tensors stay on PyTorch's path
     calls = []
-    kernel = types.SimpleNamespace(core=lambda call, **kw: calls.append(call))  # a checked call
-    stand_in = types.SimpleNamespace(triton_attention=kernel)
-    monkeypatch.setitem(sys.modules, "octlm.attention.triton_flash", stand_in)
+    stand_in = types.SimpleNamespace(triton_call=lambda call, **kw: calls.append(call))
+    monkeypatch.setitem(sys.modules, "octlm.attention.tiled.triton_flash", stand_in)
     monkeypatch.setattr(tiled, "_triton_fits", lambda *a: True)
     tiled_attention(query, key, value, window=3)
     assert calls and calls[0].window == 3

@@ -26,7 +26,6 @@ from octlm.attention import (
     sdpa_attention,
 )
 from octlm.attention.block_masks import prefix_lm_mod
-from octlm.attention.inputs import Call
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge
 from octlm.training.config import resolve
 from tests.helpers import assert_judged, make_qkv, reference
@@ -164,8 +163,7 @@ def test_route_reads_no_tensor_values():
     meta = [x.to("meta") for x in _inputs(LENGTH, LENGTH)]
     lengths = torch.tensor([LENGTH, 3], device="meta")
     documents = _documents().to("meta")
-    call = Call(*meta, key_lengths=lengths, document_ids=documents, window=5)
-    name, reason = route.core(call)
+    name, reason = route(*meta, key_lengths=lengths, document_ids=documents, window=5)
     assert name == "tiled" and "document_ids" in reason and "key_lengths" in reason
 
 
@@ -263,3 +261,53 @@ def test_cached_decoding_meets_the_equality_rule(window, chunks):
         cached = torch.cat([auto(part, cache=cache) for part in tokens.split(chunks, 1)], 1)
         verdict = judge(cached, naive(tokens), golden_model(tokens), factor=OUTPUT_FACTOR)
     assert verdict.passed, str(verdict)
+
+
+def test_route_checks_no_tensor_values_when_called_itself():
+    """``route`` itself, with its validation, on meta tensors: shapes and keywords only."""
+    meta = [x.to("meta") for x in _inputs(LENGTH, LENGTH)]
+    bounds = torch.tensor([LENGTH, 5], device="meta")
+    for name in ("key_lengths", "key_starts"):
+        chosen, reason = route(*meta, **{name: bounds})
+        assert chosen == "tiled" and name in reason
+    with pytest.raises(ValueError, match="key_lengths must have shape"):
+        route(*meta, key_lengths=torch.tensor([1], device="meta"))
+
+
+NAN_CALLS = {
+    "causal": {},
+    "bool mask": {"causal": False, "mask": torch.arange(LENGTH) < LENGTH - 1},
+}
+
+
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("case", NAN_CALLS)
+def test_auto_on_sdpa_makes_nan_rows_only_where_docs_say(where, case):
+    """docs/attention.md: where route names sdpa, a NaN in the last key or value, which only
+    some rows see, makes those rows NaN; other rows are NaN or naive's numbers, never others.
+    Where route names tiled, the rows that cannot see it stay exact."""
+    query, key, value = _inputs(LENGTH, LENGTH)
+    {"key": key, "value": value}[where][:, :, -1] = float("nan")
+    options = NAN_CALLS[case]
+    golden = reference(query, key, value, **options)
+    seeing = golden.isnan().any(dim=-1)  # (B, H, Q), the rows that see the NaN
+    assert route(query, key, value, **options)[0] == "sdpa"
+    out = auto_attention(query, key, value, **options)
+    assert out.isnan().any(dim=-1)[seeing].all()
+    kept = ~out.isnan().any(dim=-1)  # rows auto left finite: they must be exact
+    plain = naive_attention(query, key, value, **options)
+    assert_judged(out[kept], plain[kept], golden[kept])
+    windowed = dict(options, window=LENGTH - 1)  # narrower than the keys: route names tiled
+    assert route(query, key, value, **windowed)[0] == "tiled"
+    out = auto_attention(query, key, value, block=BLOCK, **windowed)
+    golden = reference(query, key, value, **windowed)
+    assert torch.equal(out.isnan().any(dim=-1), golden.isnan().any(dim=-1))
+    finite = ~golden.isnan().any(dim=-1)
+    plain = naive_attention(query, key, value, **windowed)
+    assert_judged(out[finite], plain[finite], golden[finite])
+
+
+def test_ring_module_exports_what_docs_import():
+    from octlm.attention.ring import ring_attention, shard_sequence  # as docs/attention.md
+
+    assert callable(ring_attention) and callable(shard_sequence)

@@ -60,7 +60,7 @@ def test_padding_by_lengths_equals_dense_mask(lengths):
 
 def test_padded_and_hidden_blocks_are_never_computed(monkeypatch):
     """Count the key blocks visited: skipping must really happen, not just masking."""
-    from octlm.attention.blocks import BlockWalk
+    from octlm.attention.tiled.walk import BlockWalk
 
     visited = []
     original = BlockWalk.scores

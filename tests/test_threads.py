@@ -1,4 +1,4 @@
-"""Query blocks on CPU threads (octlm.attention.threads): the threads take the caller's modes,
+"""Query blocks on CPU threads (octlm.attention.tiled.threads): the threads take the caller's modes,
 leave PyTorch's thread count as they found it, and do not change results."""
 
 import multiprocessing
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from octlm.attention import naive_attention, tiled_attention
-from octlm.attention.blocks import BlockWalk, Units
-from octlm.attention.threads import parallel_map, workers
+from octlm.attention.tiled.core import Rules, Units
+from octlm.attention.tiled.threads import parallel_map, workers
+from octlm.attention.tiled.walk import BlockWalk
 from tests.helpers import assert_judged, make_qkv, reference
 
 CPU = torch.device("cpu")
@@ -129,7 +130,8 @@ def test_the_backward_takes_more_runs_only_where_their_buffers_are_small(
     buffers of every key per thread, else one run per thread; the widest run first."""
     query = torch.zeros(1, 1, q_len, 1, 4)  # folded (B, Hkv, Q, G, D)
     keys = torch.zeros(1, 1, k_len, 4)
-    walk = BlockWalk(query, keys, k_len - q_len, causal, window, None, (64, 64), Units(1.0))
+    rules = Rules(past=k_len - q_len, scale=1.0, causal=causal, window=window, block=(64, 64))
+    walk = BlockWalk(query, keys, rules, Units(1.0))
     groups = walk.groups()
     assert len(groups) == runs
     assert sorted((rows for run in groups for rows in run), key=lambda rows: rows.start) == list(

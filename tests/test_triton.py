@@ -46,7 +46,7 @@ if not CUDA and sys.modules.get("triton") is not None and _PREVIOUS != "1":
 _interpret(not CUDA)
 try:
     pytest.importorskip("triton", reason="Triton is not installed (pip install octlm[triton])")
-    from octlm.attention import triton_flash
+    from octlm.attention.tiled import triton_flash
 finally:
     _interpret(False)
 
@@ -388,7 +388,7 @@ def test_padding_is_never_read():
 def test_tiled_routes_all_but_block_masks_to_the_kernel(monkeypatch):
     """``tiled_attention(kernel="triton")`` takes documents, padding and the modifiers, and
     ``kernel="auto"`` hands them over where Triton fits; a block mask stays PyTorch-only."""
-    import octlm.attention.tiled as tiled_module
+    import octlm.attention.tiled.attention as tiled_module
     from octlm.attention.block_masks import block_mask, causal_mod
 
     query, key, value = (x.to(DEVICE) for x in make_qkv(1, 2, 1, 20, 20, 16))

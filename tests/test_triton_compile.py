@@ -22,7 +22,7 @@ COMPILE = textwrap.dedent(
     """
     import triton
     from triton.backends.compiler import GPUTarget
-    from octlm.attention import triton_flash as kernels
+    from octlm.attention.tiled import triton_flash as kernels
 
     FLOATS = ("LSE", "DELTA", "SLOPES", "SINKS", "DSLOPES")  # fp32 whatever the inputs
     INTEGERS = {"DOCS": "*i32", "BOUNDS": "*i32"}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import octlm.attention.tiled
+import octlm.attention.tiled.attention
 from octlm import cli, verify
 from octlm.verify.structure import STRUCTURES
 
@@ -72,23 +72,23 @@ def test_quick_run_passes_and_writes_design_records(tmp_path, capsys):
 
 
 def perturb_forward(monkeypatch):
-    forward = octlm.attention.tiled.forward_rows
+    forward = octlm.attention.tiled.attention.forward_rows
 
     def broken(*args, **kwargs):
         out, rows = forward(*args, **kwargs)
         return out + 1e-3, rows
 
-    monkeypatch.setattr(octlm.attention.tiled, "forward_rows", broken)
+    monkeypatch.setattr(octlm.attention.tiled.attention, "forward_rows", broken)
 
 
 def perturb_backward(monkeypatch):
-    backward = octlm.attention.tiled.attend_backward
+    backward = octlm.attention.tiled.attention.attend_backward
 
     def broken(*args, **kwargs):
         grad_query, grad_key, grad_value = backward(*args, **kwargs)
         return grad_query, grad_key, grad_value + 1e-3
 
-    monkeypatch.setattr(octlm.attention.tiled, "attend_backward", broken)
+    monkeypatch.setattr(octlm.attention.tiled.attention, "attend_backward", broken)
 
 
 @pytest.mark.parametrize(
@@ -158,12 +158,12 @@ def test_structure_cases_cover_every_implementation_and_catch_an_ignored_keyword
     """Every structure case runs in each single-process implementation that lists its keywords
     (sdpa and tiled besides the naive base); a tiled that ignores document ids fails exactly
     the document checks, output and gradients, and no other."""
-    honest = octlm.attention.tiled._rules_with
+    honest = octlm.attention.tiled.attention._rules_with
 
     def without_documents(rules, *tensors):
         return dataclasses.replace(honest(rules, *tensors), documents=None)
 
-    monkeypatch.setattr(octlm.attention.tiled, "_rules_with", without_documents)
+    monkeypatch.setattr(octlm.attention.tiled.attention, "_rules_with", without_documents)
     argv = ["verify", "--quick", "--out", str(tmp_path), "--dtype", "float32", "--only"]
     assert cli.main([*argv, "structure"]) == 1
     found = lines(tmp_path)

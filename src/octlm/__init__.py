@@ -1,6 +1,13 @@
 """octlm: exact attention three ways, checked against each other in a small language model."""
 
-from octlm.attention import attention_mask, naive_attention, sdpa_attention, tiled_attention
+from octlm.attention import (
+    attention_mask,
+    auto_attention,
+    naive_attention,
+    route,
+    sdpa_attention,
+    tiled_attention,
+)
 from octlm.model import KVCache, ModelConfig, OctLM
 from octlm.run_folder import Run, load_run
 
@@ -10,8 +17,10 @@ __all__ = [
     "OctLM",
     "Run",
     "attention_mask",
+    "auto_attention",
     "load_run",
     "naive_attention",
+    "route",
     "sdpa_attention",
     "tiled_attention",
 ]

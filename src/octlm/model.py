@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from octlm.attention import IMPLEMENTATIONS, implementation
 from octlm.attention.registry import taking
-from octlm.attention.tiles import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.attention.tiled.options import DEFAULT_BLOCK, KERNELS, parse_block
 from octlm.files import read_model, write_model
 
 

@@ -2,7 +2,9 @@
 
 :func:`route` holds the whole rule (docs/design.md §3) and says what it chose and why;
 :func:`auto_attention` follows it. Both implementations compute the same function (§4), so the
-choice changes speed and memory, never the result beyond rounding.
+choice changes speed and memory, never the result beyond rounding, with one exception: a NaN
+or infinity in a key or value that a row cannot see leaves the row alone in ``tiled``, while
+``sdpa`` may make the row NaN (docs/design.md §2).
 
 The rule rests on one observation: SDPA's fused kernel is the fastest path for a call it takes
 without a dense ``(q_len, k_len)`` mask, and tiled's block engine is the fastest wherever the
@@ -11,15 +13,38 @@ call's structure hides whole blocks, which a dense mask can only hide one score 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor
 
-from octlm.attention.inputs import Call, attention_function
-from octlm.attention.sdpa import sdpa_attention
-from octlm.attention.tiled import DEFAULT_BLOCK, KERNELS, parse_block, tiled_attention
+from octlm.attention.inputs import Call, call_of, check, keyword_only
+from octlm.attention.sdpa import sdpa_call
+from octlm.attention.tiled.attention import tiled_call
+from octlm.attention.tiled.options import DEFAULT_BLOCK, KERNELS, parse_block
+
+if TYPE_CHECKING:
+    from octlm.attention.block_masks import BlockMask
 
 
-@attention_function()
-def route(call: Call) -> tuple[str, str]:
+@keyword_only
+def route(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask: BlockMask | None = None,
+) -> tuple[str, str]:
     """``(name, reason)``: the implementation ``attention="auto"`` runs for this call, and why.
 
     Reads only the call's sizes and which keywords are set, never a tensor's values, so it
@@ -42,7 +67,13 @@ def route(call: Call) -> tuple[str, str]:
       only as a ``(q_len, k_len)`` mask.
 
     On CUDA, ``tiled`` itself runs the Triton kernel where it fits (:func:`tiled_attention`).
+    Its validation checks no tensor's values either (meta tensors are welcome).
     """
+    return route_call(check(call_of(locals()), values=False))
+
+
+def route_call(call: Call) -> tuple[str, str]:
+    """:func:`route` of a checked call."""
     if call.dropout_p > 0:
         return "sdpa", f"sdpa: dropout_p={call.dropout_p:g}, which tiled does not implement"
     skipped = _block_structure(call)
@@ -90,9 +121,26 @@ def _block_structure(call: Call) -> list[str]:
     return found
 
 
-@attention_function()
+@keyword_only
 def auto_attention(
-    call: Call, *, block: int | tuple[int, int] = DEFAULT_BLOCK, kernel: str = "auto"
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask: BlockMask | None = None,
+    block: int | tuple[int, int] = DEFAULT_BLOCK,
+    kernel: str = "auto",
 ) -> Tensor:
     """Exact attention by whichever of ``sdpa`` and ``tiled`` :func:`route` names for the call.
 
@@ -100,10 +148,11 @@ def auto_attention(
     dropout (through ``sdpa``). ``block`` and ``kernel`` are tiled's, used when the call goes
     there, and checked whichever way it goes.
     """
-    name, _ = route.core(call)
+    call = check(call_of(locals()))
+    name, _ = route_call(call)
     if name == "tiled":
-        return tiled_attention.core(call, block=block, kernel=kernel)
+        return tiled_call(call, block=block, kernel=kernel)
     parse_block(block)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    return sdpa_attention.core(call)
+    return sdpa_call(call)

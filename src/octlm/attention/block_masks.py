@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from octlm.attention.tiles import DEFAULT_BLOCK, parse_block
+from octlm.attention.tiled.options import DEFAULT_BLOCK, parse_block
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 STATES = {"skipped": EMPTY, "masked": PARTIAL, "unmasked": FULL}  # what tiled does per pair

@@ -1,10 +1,11 @@
-"""The attention call, defined once: its keywords, their one validation, the public signature.
+"""The attention call, defined once: its keywords and their one validation.
 
 :class:`Call` lists the keywords every implementation takes, with their defaults
-(docs/design.md §2). :func:`check` validates a call, so a bad one fails with a
+(docs/design.md §2); each public function writes them out in its ``def`` line, in this order
+with these defaults (tests/test_signatures.py holds them to it), and hands its arguments to
+:func:`call_of`. :func:`check` validates a call, so a bad one fails with a
 ``ValueError``/``TypeError`` that names the argument, what it got and what was expected, before
-any kernel runs. :func:`attention_function` turns an implementation's core, which takes a
-checked :class:`Call`, into the public ``f(query, key, value, *, causal=True, ...)``.
+any kernel runs.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import KW_ONLY, Field, dataclass, fields
+from dataclasses import KW_ONLY, dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from octlm.attention.block_masks import BlockMask
+if TYPE_CHECKING:
+    from octlm.attention.block_masks import BlockMask
 
 
 def _size(tensor: str, dim: int) -> property:
@@ -73,55 +76,39 @@ class Call:
 KEYWORDS = tuple(field.name for field in fields(Call) if field.kw_only)
 COMMON = ("causal", "window", "mask", "scale", "dropout_p", "key_lengths")
 FEATURES = tuple(name for name in KEYWORDS if name not in COMMON)
-TENSORS = frozenset(field.name for field in fields(Call) if not field.kw_only)
+TENSORS = tuple(field.name for field in fields(Call) if not field.kw_only)
+FIELDS = frozenset(field.name for field in fields(Call))
 
 
-def attention_function(
-    *, dropout: bool = True, keywords: tuple[str, ...] = KEYWORDS, checked: bool = True
-) -> Callable[[Callable], Callable]:
-    """Make ``core(call, *, extra=...)`` the public ``f(query, key, value, *, <keywords>, extra)``.
-
-    The public function takes the :class:`Call` fields named in ``keywords`` (defaults from
-    :class:`Call`) and the core's own keywords; any other keyword is a ``TypeError`` naming it.
-    It builds the call, validates it with :func:`check` (``dropout=False`` for a core without
-    attention dropout) unless ``checked=False`` (the ring checks in step with its peers), and
-    hands it to the core. Name, docstring and a real :func:`inspect.signature` come from the
-    core; ``f.core`` is the core itself, for a caller whose call is already checked.
-    """
-    omitted = [name for name in KEYWORDS if name not in keywords]
-
-    def decorate(core: Callable) -> Callable:
-        inner = inspect.signature(core)
-        shared = [_parameter(field) for field in fields(Call) if field.name not in omitted]
-        extra = list(inner.parameters.values())[1:]  # the core's own keywords, after ``call``
-        signature = inner.replace(parameters=shared + extra)
-        taken = frozenset(signature.parameters) - TENSORS  # every keyword it takes
-
-        @functools.wraps(core)
-        def public(*args, **kwargs):
-            if len(args) == 3 and taken.issuperset(kwargs):  # the usual call, bound cheaply
-                given = {"query": args[0], "key": args[1], "value": args[2], **kwargs}
-            else:
-                given = _bind(core.__name__, signature, args, kwargs, [p.name for p in extra])
-            own = {p.name: given.pop(p.name) for p in extra if p.name in given}
-            call = Call(**given)
-            return core(check(call, dropout=dropout) if checked else call, **own)
-
-        public.__signature__ = signature
-        public.core = core
-        return public
-
-    return decorate
+def call_of(arguments: dict) -> Call:
+    """The :class:`Call` of a public function's arguments, ``locals()`` on entry: the fields
+    it takes, the others at their defaults. Its own keywords (tiled's ``block``) stay out."""
+    return Call(**{name: arguments[name] for name in FIELDS if name in arguments})
 
 
-def _bind(name: str, signature: inspect.Signature, args: tuple, kwargs: dict, own: list) -> dict:
-    """The arguments of a call of ``name``, or a ``TypeError`` that names what is wrong.
+def keyword_only(function: Callable) -> Callable:
+    """``function(query, key, value, *, ...)`` as it is, with errors that say how to call it:
+    a fourth positional argument names the keyword it was most likely meant for (the
+    function's own first keyword, tiled's ``block``, else its first) and shows that call;
+    unknown keywords are named all at once, with the keywords it takes. ``inspect.signature``
+    sees the function's own ``def`` line."""
+    signature = inspect.signature(function)
+    taken = frozenset(signature.parameters)
 
-    ``own`` lists the implementation's own keywords (tiled's ``block`` first): a fourth
-    positional argument is most likely the first of them, so the error shows that keyword call.
-    """
+    @functools.wraps(function)
+    def public(*args, **kwargs):
+        if len(args) != len(TENSORS) or not taken.issuperset(kwargs):
+            _refuse(function.__name__, signature, args, kwargs)
+        return function(*args, **kwargs)
+
+    return public
+
+
+def _refuse(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
+    """Raise the ``TypeError`` that names what is wrong with a call of ``name``, if anything."""
+    keywords = list(signature.parameters)[len(TENSORS) :]
     if len(args) > len(TENSORS):
-        meant = (own or [p for p in signature.parameters if p not in TENSORS])[0]
+        meant = next((k for k in keywords if k not in FIELDS), keywords[0])
         given = args[len(TENSORS)]
         shown = repr(given) if isinstance(given, int | float | tuple | str) else "..."
         raise TypeError(
@@ -133,29 +120,21 @@ def _bind(name: str, signature: inspect.Signature, args: tuple, kwargs: dict, ow
     if unknown:
         raise TypeError(
             f"{name}() got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
-            f"{', '.join(list(signature.parameters)[3:])}"
+            f"{', '.join(keywords)}"
         )
     try:
-        return signature.bind(*args, **kwargs).arguments
+        signature.bind(*args, **kwargs)
     except TypeError as error:
         raise TypeError(f"{name}(): {error}") from None
 
 
-def _parameter(field: Field) -> inspect.Parameter:
-    """A :class:`Call` field as a public parameter: the tensors positional, the rest keywords."""
-    if not field.kw_only:
-        return inspect.Parameter(field.name, POSITIONAL, annotation=field.type)
-    return inspect.Parameter(field.name, KEYWORD, default=field.default, annotation=field.type)
-
-
-POSITIONAL, KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
-
-
-def check(call: Call, *, dropout: bool = True) -> Call:
+def check(call: Call, *, dropout: bool = True, values: bool = True) -> Call:
     """Validate ``call`` against docs/design.md §2; the same call with its ``scale`` filled in.
 
     ``dropout=False`` refuses ``dropout_p > 0``, for an implementation without attention
-    dropout.
+    dropout. ``values=False`` checks only types, shapes, devices and plain numbers, never a
+    tensor's values (no device synchronisation, meta tensors welcome): for :func:`route`,
+    whose choice runs no kernel; the implementations check the values too.
     """
     query, key, value = call.query, call.key, call.value
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -200,7 +179,7 @@ def check(call: Call, *, dropout: bool = True) -> Call:
         bound = getattr(call, name)
         if bound is not None:
             _check_integers(name, bound, query, (batch,), "(batch,)")
-            if batch and (bound.min() < 0 or bound.max() > k_len):
+            if values and batch and (bound.min() < 0 or bound.max() > k_len):
                 raise ValueError(f"{name} must lie in [0, k_len={k_len}], got {bound.tolist()}")
     if call.document_ids is not None:
         _check_integers(
@@ -270,6 +249,9 @@ def _check_mask(mask: Tensor, query: Tensor, full: tuple[int, int, int, int]) ->
 
 
 def _check_block_mask(block_mask, query: Tensor, full: tuple[int, int, int, int]) -> None:
+    # Imported here: block masks take the tiles' options, and the tiled package this module.
+    from octlm.attention.block_masks import BlockMask
+
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             f"block_mask must be a BlockMask (octlm.attention.block_masks) or None, got "

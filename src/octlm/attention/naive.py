@@ -7,25 +7,47 @@ docs/design.md §4. Memory is O(q_len x k_len) per head.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from octlm.attention.inputs import Call, attention_function
+from octlm.attention.inputs import call_of, check, keyword_only
 from octlm.attention.masks import alibi_bias, dense_mask
+
+if TYPE_CHECKING:
+    from octlm.attention.block_masks import BlockMask
 
 NEG_INF = float("-inf")
 
 
-@attention_function()
-def naive_attention(call: Call) -> Tensor:
+@keyword_only
+def naive_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask: BlockMask | None = None,
+) -> Tensor:
     """Attention by the definition. Shapes and rules as :func:`octlm.attention.tiled_attention`.
 
     The score modifiers act on the whole score matrix: ``softcap`` bounds the scaled scores,
     ``alibi_slopes`` adds ALiBi's bias, ``sinks`` join each row's softmax as one more logit per
     head. Returns ``(batch, heads, q_len, head_size)`` in the input dtype.
     """
-    query, key, value = call.query, call.key, call.value
+    call = check(call_of(locals()))
     key = key.repeat_interleave(call.group, dim=1)  # (B, H, K, D)
     value = value.repeat_interleave(call.group, dim=1)  # (B, H, K, D)
     scores = query @ key.transpose(-2, -1) * call.scale  # (B, H, Q, K)

@@ -4,7 +4,7 @@ Each of the ``W`` ranks holds the query, key and value of its own positions of o
 sequence. Key/value shards travel once around the ring, rank ``r`` sending to ``r + 1`` and
 receiving from ``r - 1``; while the next shard is in flight, each rank attends its queries to
 the shard it holds with the tiled block functions, and folds the partial ``(out, lse)`` into
-its running result with :func:`~octlm.attention.blocks.merge`, which is exact. After ``W``
+its running result with :func:`~octlm.attention.tiled.core.merge`, which is exact. After ``W``
 steps every query has seen every key, and no rank ever held more than two key/value shards.
 
 The sequence is cut among ranks by a layout (:mod:`octlm.context_parallel`: ``zigzag`` keeps
@@ -42,17 +42,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from octlm.attention.blocks import (
-    Rules,
-    accumulation_dtype,
-    attend_backward,
-    attend_forward,
-    merge,
-    slope_gradient,
-)
-from octlm.attention.inputs import COMMON, Call, attention_function, check
+from octlm.attention.inputs import COMMON, Call, call_of, check, keyword_only
 from octlm.attention.masks import key_range
-from octlm.attention.tiles import DEFAULT_BLOCK, parse_block
+from octlm.attention.tiled.backward import attend_backward, slope_gradient
+from octlm.attention.tiled.core import Rules, accumulation_dtype, merge
+from octlm.attention.tiled.forward import attend_forward
+from octlm.attention.tiled.options import DEFAULT_BLOCK, parse_block
 from octlm.context_parallel import (
     DEFAULT_LAYOUT,
     Piece,
@@ -60,7 +55,10 @@ from octlm.context_parallel import (
     check_layout,
     check_shard,
     shard_pieces,
+    shard_sequence,
 )
+
+__all__ = ["ring_attention", "shard_sequence"]  # shard_sequence: the sharding the ring reads
 
 # The call keywords ring_attention takes: the common ones, and these structure and score ones.
 RING_KEYWORDS = (*COMMON, "document_ids", "softcap", "alibi_slopes", "sinks")
@@ -275,10 +273,22 @@ class _RingAttention(torch.autograd.Function):
         return *grads, None, grad_alibi, grad_sinks, None, None
 
 
-@attention_function(dropout=False, keywords=RING_KEYWORDS, checked=False)
+@keyword_only
 def ring_attention(
-    call: Call,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     group: dist.ProcessGroup | None = None,
     layout: str = DEFAULT_LAYOUT,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
@@ -316,6 +326,7 @@ def ring_attention(
     Returns:
         ``(batch, heads, L, head_size)`` in the input dtype: this rank's rows of the output.
     """
+    call = call_of(locals())
     try:  # checked here, not before: every rank must reach agree, even one whose call is bad
         call, block, problem = _check_call(call, layout), parse_block(block), None
     except (TypeError, ValueError) as error:

@@ -9,18 +9,39 @@ explicit mask. Never both.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from octlm.attention.inputs import Call, attention_function
+from octlm.attention.inputs import Call, call_of, check, keyword_only
 from octlm.attention.masks import alibi_bias, as_4d, dense_mask, padding_mask
 
+if TYPE_CHECKING:
+    from octlm.attention.block_masks import BlockMask
 
-@attention_function()
-def sdpa_attention(call: Call) -> Tensor:
+
+@keyword_only
+def sdpa_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask: BlockMask | None = None,
+) -> Tensor:
     """Attention through SDPA's fused backends. Shapes and rules as ``tiled_attention``.
 
     SDPA knows none of the score modifiers, so they enter densely: ALiBi as a float mask; with
@@ -31,6 +52,11 @@ def sdpa_attention(call: Call) -> Tensor:
     wanted, SDPA's MATH backend runs instead of its fused ones, whose backward recomputes the
     probabilities from a log-sum-exp too coarse at that size to hold the row's own scores.
     """
+    return sdpa_call(check(call_of(locals())))
+
+
+def sdpa_call(call: Call) -> Tensor:
+    """:func:`sdpa_attention` of a checked call."""
     query, key, value = call.query, call.key, call.value
     padded = call.key_lengths is not None or call.key_starts is not None
     # A window as wide as the keys hides nothing: it needs no mask.

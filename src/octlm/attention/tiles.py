@@ -1,25 +1,8 @@
-"""Tiles of tiled attention: how a block size is given and checked, its default, the kernels.
+"""The import path of :mod:`octlm.attention.tiled.options` before the tiled package: the same
+module object, so ``from octlm.attention.tiles import DEFAULT_BLOCK`` keeps working."""
 
-A leaf module, so that the model, the benchmarks and the report read these without importing
-an implementation.
-"""
+import sys
 
-from __future__ import annotations
+from octlm.attention.tiled import options
 
-# Query rows and keys per tile: smaller tiles pay Python overhead per block, larger ones fall
-# out of cache (docs/benchmarks.md, block sizes).
-DEFAULT_BLOCK = (512, 256)
-# ``tiled_attention(kernel=...)``: the Triton kernel on CUDA where it fits, or one forced.
-KERNELS = ("auto", "pytorch", "triton")
-
-
-def parse_block(block: int | tuple[int, int]) -> tuple[int, int]:
-    """``block`` as ``(block_q, block_k)``; an int sets both."""
-    pair = (block, block) if isinstance(block, int) and not isinstance(block, bool) else block
-    if (
-        not isinstance(pair, tuple | list)
-        or len(pair) != 2
-        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in pair)
-    ):
-        raise ValueError(f"block must be an int >= 1 or a pair (block_q, block_k), got {block!r}")
-    return int(pair[0]), int(pair[1])
+sys.modules[__name__] = options

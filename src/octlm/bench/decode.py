@@ -33,7 +33,7 @@ import torch
 
 from octlm import records
 from octlm.attention import implementation
-from octlm.attention.tiles import DEFAULT_BLOCK
+from octlm.attention.tiled.options import DEFAULT_BLOCK
 from octlm.bench.guard import run_stoppable
 from octlm.bench.timing import Timing, time_calls
 from octlm.model import KVCache, ModelConfig, OctLM

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from octlm import records
-from octlm.attention.tiles import parse_block
+from octlm.attention.tiled.options import parse_block
 from octlm.bench import guard, memory
 from octlm.bench.suites import Measurement, key_of, suite, suite_name
 from octlm.bench.worker import make_record

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from octlm import records
 from octlm.attention import ring_attention, tiled_attention
-from octlm.attention.tiles import DEFAULT_BLOCK
+from octlm.attention.tiled.options import DEFAULT_BLOCK
 from octlm.bench import guard, memory
 from octlm.bench.suites import DTYPES, MODES
 from octlm.bench.timing import time_calls

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, fields, replace
 
-from octlm.attention.tiles import DEFAULT_BLOCK
+from octlm.attention.tiled.options import DEFAULT_BLOCK
 
 BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "sketch", "triton", "auto")
 # The structure and score keywords a measurement may add (docs/design.md §2), each in one fixed

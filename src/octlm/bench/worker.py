@@ -164,7 +164,7 @@ def attention_call(measurement: Measurement, query, key, value, keywords: dict) 
         if query.device.type != "cuda":
             raise Unsupported(f"triton runs on CUDA only, not on {query.device.type}")
         try:
-            from octlm.attention import triton_flash
+            from octlm.attention.tiled import triton_flash
         except ImportError as error:
             raise Unsupported(f"cannot import octlm.attention.triton_flash: {error}") from error
         unknown = sorted(set(keywords) - set(triton_flash.TRITON_KEYWORDS))

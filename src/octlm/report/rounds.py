@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 
-from octlm.attention.tiles import DEFAULT_BLOCK
+from octlm.attention.tiled.options import DEFAULT_BLOCK
 from octlm.bench.suites import KEY_FIELDS
 from octlm.report.collect import Collected, backend_label, busy, where
 from octlm.report.format import BUSY_MARK, NOT_MEASURED, spread, table

@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 from octlm.attention import naive_attention, sdpa_attention, tiled_attention
-from octlm.attention.blocks import Rules, attend_forward, merge
 from octlm.attention.masks import allowed
-from octlm.attention.tiles import parse_block
+from octlm.attention.tiled.core import Rules, merge
+from octlm.attention.tiled.forward import attend_forward
+from octlm.attention.tiled.options import parse_block
 from octlm.equality import GRADIENT_FACTOR, judge, max_abs_diff
 from octlm.verify.cases import QKV, Case, attend, inputs, record
 from octlm.verify.plan import Plan

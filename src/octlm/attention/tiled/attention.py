@@ -1,4 +1,4 @@
-"""Tiled attention: the block engine of :mod:`octlm.attention.blocks` behind autograd.
+"""Tiled attention: the block engine of :mod:`octlm.attention.tiled` behind autograd.
 
 FlashAttention's blocking in plain PyTorch: exact attention with O(T) memory on any device PyTorch
 runs on, differentiable through its own recomputing backward (FlashAttention-2). The forward saves
@@ -11,23 +11,25 @@ ids; the backward recomputes each block's probabilities from them. For CUDA tens
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from octlm.attention.blocks import (
-    RowStats,
-    Rules,
+from octlm.attention.inputs import Call, call_of, check, keyword_only
+from octlm.attention.tiled.backward import (
     attend_backward,
     delta_error,
-    forward_rows,
     sink_gradient,
     sink_share,
     slope_gradient,
-    unfold_heads,
 )
-from octlm.attention.inputs import Call, attention_function
-from octlm.attention.tiles import DEFAULT_BLOCK, KERNELS, parse_block
+from octlm.attention.tiled.core import RowStats, Rules, unfold_heads
+from octlm.attention.tiled.forward import forward_rows
+from octlm.attention.tiled.options import DEFAULT_BLOCK, KERNELS, parse_block
+
+if TYPE_CHECKING:
+    from octlm.attention.block_masks import BlockMask
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -115,10 +117,24 @@ def _rules_with(rules, mask, key_lengths, key_starts, document_ids, alibi_slopes
     )  # fmt: skip
 
 
-@attention_function(dropout=False)
+@keyword_only
 def tiled_attention(
-    call: Call,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     *,
+    causal: bool = True,
+    window: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_lengths: Tensor | None = None,
+    key_starts: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    block_mask: BlockMask | None = None,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     return_lse: bool = False,
     kernel: str = "auto",
@@ -165,7 +181,7 @@ def tiled_attention(
             q_len)``, fp32 (fp64 for fp64 inputs), ``-inf`` for rows that see no key (the
             sink's logit with ``sinks``, which is always in the denominator). It carries no
             gradient: a loss that uses it gets none through it.
-        kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.triton_flash`, which
+        kernel: ``"auto"`` runs the Triton kernel (:mod:`octlm.attention.tiled.triton_flash`, which
             picks its own tiles and implements every argument here but ``mask`` and
             ``block_mask``, forward and backward) for CUDA tensors when Triton is installed, no
             ``mask`` is given, the dtype is not float64 and ``head_size <= 256``; the
@@ -175,6 +191,14 @@ def tiled_attention(
     Returns:
         The output in the input dtype (rows that see no key are zero), or ``(out, lse)``.
     """
+    call = check(call_of(locals()), dropout=False)
+    return tiled_call(call, block=block, return_lse=return_lse, kernel=kernel)
+
+
+def tiled_call(
+    call: Call, *, block: int | tuple[int, int], return_lse: bool = False, kernel: str = "auto"
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`tiled_attention` of a checked call."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     block = parse_block(block)  # checked on every path, used by the PyTorch one
@@ -184,9 +208,9 @@ def tiled_attention(
             f"kernel='triton' does not take {', '.join(pytorch_only)}; use kernel='pytorch'"
         )
     if kernel == "triton" or (kernel == "auto" and not pytorch_only and _triton_fits(call)):
-        from octlm.attention.triton_flash import triton_attention
+        from octlm.attention.tiled.triton_flash import triton_call
 
-        return triton_attention.core(call, return_lse=return_lse)
+        return triton_call(call, return_lse=return_lse)
     rules = Rules(
         past=call.past, scale=call.scale, causal=call.causal, window=call.window, block=block,
         softcap=call.softcap, block_mask=call.block_mask,
@@ -215,7 +239,7 @@ def _triton_fits(call: Call) -> bool:
     if query.dtype == torch.float64 or call.head_size > 256:
         return False
     try:
-        from octlm.attention.triton_flash import is_available
+        from octlm.attention.tiled.triton_flash import is_available
     except ImportError:
         return False
     return is_available(query.device)

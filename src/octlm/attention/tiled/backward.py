@@ -1,0 +1,245 @@
+"""The backward block steps (FlashAttention-2): each tile's probabilities recomputed from the
+forward's row statistics, and the gradients of the inputs and the score modifiers."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from octlm.attention.tiled.core import (
+    NEG_INF,
+    RowStats,
+    Rules,
+    Units,
+    accumulation_dtype,
+    all_finite,
+    as_3d,
+    block_steps,
+    blockwise,
+    fold,
+    fold_keys,
+    fold_rows,
+    unfold_heads,
+)
+from octlm.attention.tiled.threads import parallel_map
+from octlm.attention.tiled.walk import BlockWalk, rows_of
+
+# The largest shift (in score units) the backward lets ride in the matmul: inside it, the
+# shift's rounding joins the sum of products; past it, scores are formed first, as naive does.
+FUSED_SHIFT_LIMIT = 64.0
+
+
+@block_steps
+def attend_backward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    grad_out: Tensor,
+    lse: Tensor | RowStats,
+    delta: Tensor,
+    rules: Rules,
+    *,
+    grad_mask: Tensor | None = None,
+    grad_alibi: Tensor | None = None,
+    residue: Tensor | None = None,
+    spread: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one query chunk against one key chunk: the backward block steps.
+
+    ``lse`` (or the forward's exact :class:`RowStats`) and ``delta = rowsum(grad_out * out)``
+    are ``(B, H, Q)`` over *all* keys the queries attend to (global, when keys are split across
+    calls or processes), so each chunk's probabilities ``exp(score - shift) / total`` are
+    exact. Returns ``dq (B, H, Q, D)`` and ``dk``/``dv (B, Hkv, K, D)`` in the accumulation
+    dtype, summed over each GQA group. When ``grad_mask`` (folded like the mask, full size) is
+    given, the scores' gradient is written into it; when ``grad_alibi`` (``(B, Hkv, G)``,
+    whatever the slopes' shape) is, the gradient of the ALiBi slopes is added to it. Sinks
+    change nothing here (they live in the row statistics); their gradient is
+    :func:`sink_gradient`.
+
+    ``delta`` comes from the rounded output, so each row's ``ds`` sums to a little more or less
+    than it should; the slopes' and sinks' gradients multiply that residue (by distances, over
+    every row). ``residue`` (``(B, Hkv, Q, G)`` float64, when given) receives what each row's
+    ``ds`` sums to over these keys, and ``spread`` (the same, with ALiBi) each row's mean
+    distance ``sum p * distance``, from which :func:`delta_error` and the caller correct them.
+    """
+    mask, scale, softcap, alibi_slopes = rules.mask, rules.scale, rules.softcap, rules.alibi_slopes
+    dtype = accumulation_dtype(query.dtype)
+    kv_heads, head_size = key.shape[1], query.shape[-1]
+    if 0 in query.shape or 0 in key.shape:
+        zeros = (torch.zeros_like(x, dtype=dtype) for x in (query, key, value))
+        return tuple(zeros)
+    if isinstance(lse, Tensor):  # the log-sum-exp alone: shift by it, total 1
+        units = Units.choose(rules)
+        seen = lse > NEG_INF
+        shift = (lse.to(dtype) * units.unit).masked_fill(~seen, 0.0)
+        lse = RowStats(shift, seen.to(dtype), units, careful=not all_finite(query, key, value))
+    units = lse.units
+    float_mask = mask is not None and mask.is_floating_point()
+    modified = softcap is not None or alibi_slopes is not None
+    fused = not float_mask and not modified and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
+    folded = fold(query, kv_heads, scale * units.unit, dtype, 0.0 if fused else None)
+    shift = fold_rows(lse.shift, kv_heads, dtype)  # (B, Hkv, Q, G, 1), in units
+    if fused:  # the extra column holds -shift, so the matmul yields scores - shift
+        folded[..., head_size:] = -shift
+    # p = exp(score - shift) / total. The 1 / total rides on grad_out and delta (rows that see
+    # nothing get 0), so no pass over the tile divides: dv += e @ (do / total) and
+    # ds = e * (v @ (do / total) - delta / total).
+    total = fold_rows(lse.total, kv_heads, dtype)  # (B, Hkv, Q, G, 1)
+    inverse = torch.where(total > 0, 1.0 / total, 0.0)
+    keys = fold_keys(key, dtype, 1.0 if fused else None)  # (B, Hkv, K, D [+ 1])
+    grad_folded = fold(grad_out, kv_heads, 1.0, dtype, None) * inverse  # (B, Hkv, Q, G, D)
+    delta = fold_rows(delta, kv_heads, dtype) * inverse  # (B, Hkv, Q, G, 1)
+    value = blockwise(value.to(dtype))  # (B, Hkv, K, D)
+    # The forward's rebased tiles are formed again from operands laid out as its own were (with
+    # or without the shift column), so that their scores are its scores to the last bit.
+    whole_queries, whole_keys = folded, keys
+    if lse.rebased and lse.shift_column != fused:
+        column = 0.0 if lse.shift_column else None
+        whole_queries = fold(query, kv_heads, scale * units.unit, dtype, column)
+        whole_keys = fold_keys(key, dtype, None if column is None else 1.0)
+    walk = BlockWalk(folded, keys, rules, units, careful=lse.careful, keep_tanh=True)
+    # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
+    key_t = as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
+    value = as_3d(value)  # (B*Hkv, K, D)
+    if not all_finite(key_t, value):  # one pass, O(K·D), against the backward's O(Q·K·D)
+        # 0 x NaN is NaN: a key or value that no row sees must not reach a gradient through a
+        # zero probability (the forward's output can be clean while one sits in padding). One
+        # that a row sees still does, through its probabilities or through delta (that row's
+        # output is NaN).
+        key_t = key_t.masked_fill(~key_t.isfinite(), 0.0)
+        value = value.masked_fill(~value.isfinite(), 0.0)
+    grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
+
+    def attend(blocks: list[range]) -> tuple[range, Tensor, Tensor, Tensor | None]:
+        """The gradients from a run of query blocks; ``dk``, ``dv`` (and the slopes') summed
+        over them into their own tensors, over the ``seen`` keys, so that runs can go on at
+        once."""
+        seen = walk.visited_keys(rows_of(blocks))
+        grad_key = value.new_zeros(value.shape[0], len(seen), head_size)  # (B*Hkv, K', D)
+        grad_value = torch.zeros_like(grad_key)  # (B*Hkv, K', D)
+        # Summed in float64: each is a sum of ds * distance over every score, where ds
+        # cancels (each row's sums to 0) and the distances grow with the length.
+        grad_slopes = None
+        if grad_alibi is not None:
+            grad_slopes = torch.zeros_like(grad_alibi, dtype=torch.float64)
+        # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
+        for rows in blocks:
+            row_residue = row_spread = None
+            if residue is not None:  # (B*Hkv, R*G)
+                row_residue = residue.new_zeros(value.shape[0], len(rows) * walk.group)
+            if spread is not None:
+                row_spread = spread.new_zeros(walk.batch, kv_heads, len(rows), walk.group)
+            q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
+            q_plain = as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
+            shift_row = as_3d(walk.rows(shift, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
+            do_block = as_3d(walk.rows(grad_folded, rows))  # (B*Hkv, R, D)
+            delta_row = as_3d(walk.rows(delta, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
+            dq_t = q_plain.new_zeros(q_plain.shape[0], head_size, len(rows) * walk.group)
+            # dq_t: (B*Hkv, D, R)
+            for columns in walk.key_blocks(rows):
+                keys_here = slice(columns.start, columns.stop)
+                mine = slice(columns.start - seen.start, columns.stop - seen.start)  # in the buffer
+                products = walk.tile("products", value.shape[0], len(columns), head_size)
+                size_t = (value.shape[0], len(columns), len(rows) * walk.group)
+                # As the forward formed the tile (whole scores, then minus the shift) wherever
+                # that costs no extra pass: its probabilities are then the forward's.
+                rebased = not fused or (rows.start, columns.start) in lse.rebased
+                if rebased:
+                    whole = walk.rows(whole_queries, rows)[..., :head_size]
+                    scores = walk.scores(whole, rows, columns, keys=whole_keys)  # (…, R, C)
+                    probs_t = torch.sub(
+                        scores.transpose(1, 2), shift_row, out=walk.tile("scores_t", *size_t)
+                    )  # (B*Hkv, C, R)
+                else:  # the shift in the matmul: keys first, no pass over the tile
+                    probs_t = walk.scores(q_block, rows, columns, transposed=True)  # (…, C, R)
+                units.exp_(probs_t)  # exp(score - shift): probabilities times total
+                grad_value[:, mine] += torch.bmm(probs_t, do_block, out=products)
+                grad_scores_t = torch.bmm(
+                    value[:, keys_here], do_block.transpose(1, 2),
+                    out=walk.tile("grad_t", *probs_t.shape),
+                )  # (B*Hkv, C, R), d loss / d probsᵀ  # fmt: skip
+                grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
+                if grad_mask is not None:
+                    grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
+                        grad_scores_t, rows, columns, transposed=True
+                    )
+                if row_residue is not None:
+                    row_residue += grad_scores_t.sum(dim=1, dtype=torch.float64)
+                far = None
+                if grad_alibi is not None or row_spread is not None:
+                    far = walk.distance(rows, columns).unsqueeze(1)  # (R, 1, C)
+                if grad_alibi is not None:  # the bias is -slope * distance
+                    tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
+                    grad_slopes -= _row_sums(tile, far).sum(dim=2)  # (B, Hkv, G)
+                if row_spread is not None:  # sum of exp(score - shift) * distance
+                    weights = walk.unfold_tile(probs_t, rows, columns, transposed=True)
+                    row_spread += _row_sums(weights, far)
+                if softcap is not None:  # through the cap: d tanh = 1 - tanh²
+                    tanh = walk.tanh.transpose(1, 2) if rebased else walk.tanh  # (…, C, R)
+                    grad_scores_t.mul_(tanh.square_().neg_().add_(1.0))
+                grad_key[:, mine] += torch.bmm(grad_scores_t, q_plain, out=products)
+                dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
+            grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
+                walk.batch, kv_heads, len(rows), walk.group, head_size
+            )
+            here = slice(rows.start, rows.stop)
+            if row_residue is not None:  # runs own their rows: no two threads write one
+                residue[:, :, here] += row_residue.view(residue[:, :, here].shape)
+            if row_spread is not None:  # probabilities: over each row's total
+                spread[:, :, here] += row_spread * inverse[:, :, here, :, 0]
+        return seen, grad_key, grad_value, grad_slopes
+
+    parts = parallel_map(attend, walk.groups(), query.device)
+    if len(parts[0][0]) == walk.k_len:  # the first run saw every key: it takes the rest
+        (_, grad_key, grad_value, _), rest = parts[0], parts[1:]
+    else:
+        grad_key, grad_value, rest = torch.zeros_like(value), torch.zeros_like(value), parts
+    for seen, part_key, part_value, _ in rest:  # added in a fixed order
+        grad_key[:, seen.start : seen.stop] += part_key
+        grad_value[:, seen.start : seen.stop] += part_value
+    for *_, part_slopes in parts:
+        if part_slopes is not None:
+            grad_alibi += part_slopes
+    kv_shape = (walk.batch, kv_heads, walk.k_len, head_size)
+    grad_key, grad_value = grad_key.view(kv_shape), grad_value.view(kv_shape)
+    # grad_key was taken against scale * unit * q; dividing by the unit brings it to scale * q.
+    return unfold_heads(grad_query.mul_(scale)), grad_key.div_(units.unit), grad_value
+
+
+def sink_share(rows: RowStats, sinks: Tensor | None) -> Tensor | float:
+    """Each row's mass that the sink takes, ``p = exp(sink - shift) / total``, ``(B, H, Q)``
+    float64 (0 without sinks, and where nothing at all was summed: a -inf sink, no key)."""
+    if sinks is None:
+        return 0.0
+    logits = sinks.double().view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
+    taken = rows.units.exp_(logits - rows.shift.double()) / rows.total.double()  # (B, H, Q)
+    return taken.masked_fill_(rows.total == 0, 0.0)
+
+
+def sink_gradient(share: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sinks ``(H,)``. A sink takes ``share`` of each row's mass
+    (:func:`sink_share`) and gives no value, so ``d out / d sink = -share * out`` and the
+    gradient is ``-sum share * delta`` over batch and rows, with ``delta = rowsum(grad_out *
+    out)``; summed in float64."""
+    return -(share * delta.double()).sum(dim=(0, 2))
+
+
+def delta_error(residue: Tensor, delta: Tensor, share: Tensor | float) -> Tensor:
+    """How far the ``delta`` a backward used falls short of each row's true ``sum p * dp``,
+    ``(B, H, Q)`` float64, from the ``residue`` its ``ds`` left (folded, as
+    :func:`attend_backward` fills it). Over the keys, whose probabilities sum to ``1 - share``,
+    ``sum ds = true - used * (1 - share)``, so ``true - used = residue - used * share``."""
+    return unfold_heads(residue) - delta.double() * share
+
+
+def slope_gradient(grad_folded: Tensor, slopes: Tensor) -> Tensor:
+    """The slopes' gradient summed as ``(B, Hkv, G)`` by the backward, in the slopes' own shape
+    (``(H,)`` or ``(B, H)``) and dtype."""
+    full = slopes.view(-1, grad_folded.shape[1] * grad_folded.shape[2]).shape  # (1 or B, H)
+    return grad_folded.flatten(1).sum_to_size(full).view(slopes.shape).to(slopes.dtype)
+
+
+def _row_sums(tile: Tensor, far: Tensor) -> Tensor:
+    """``sum over keys of tile * far``: ``(B, Hkv, R, G, C)`` by ``(R, 1, C)`` -> ``(B, Hkv, R,
+    G)``, accumulated in float64 (the products cancel, and their weights grow with length)."""
+    return (tile * far).sum(dim=-1, dtype=torch.float64)
