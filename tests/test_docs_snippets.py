@@ -4,7 +4,8 @@ A page is one session: its snippets run in order in one namespace (a later snipp
 an earlier one made), in a scratch folder that holds the folders the docs name (a tiny run at
 ``runs/laptop``, its transformers export at ``hf/laptop``, ...: see ``FOLDERS``). Where an
 expression statement ends in a comment that is a Python literal (``band.counts()  # {...}``),
-its value must equal that literal.
+its value must equal that literal. Every import the snippets show works, also in a block that is
+not run whole.
 
 Markers are HTML comments on the lines right above a fence, unseen on a rendered page:
 
@@ -167,14 +168,47 @@ def _installed(module: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("snippet", ALL, ids=[s.name for s in ALL])
-def test_snippet_runs(snippet, workspace, monkeypatch, request):
-    if "skip" in snippet.markers:
-        pytest.skip(snippet.markers["skip"][0])
+def _apply_markers(snippet: Snippet, request) -> None:
+    """Skip for what ``needs`` names and is not installed; expect the failure ``xfail`` names."""
     for module in snippet.markers.get("needs", []):
         pytest.importorskip(module, reason=f"needs {module}, an optional extra")
     if "xfail" in snippet.markers:
         request.applymarker(pytest.mark.xfail(reason=snippet.markers["xfail"][0], strict=False))
+
+
+def _imports(code: str) -> list[str]:
+    """The import statements of ``code``, read line by line (a parenthesised list may span
+    lines), so that a block which is not Python as a whole (a signature) still yields them."""
+    lines, found, at = code.splitlines(), [], 0
+    while at < len(lines):
+        if not lines[at].startswith(("import ", "from ")):
+            at += 1
+            continue
+        statement = lines[at]
+        while statement.count("(") > statement.count(")") and at + 1 < len(lines):
+            at += 1
+            statement += "\n" + lines[at]
+        found.append(statement)
+        at += 1
+    return found
+
+
+IMPORTING = [snippet for snippet in ALL if _imports(snippet.code)]
+
+
+@pytest.mark.parametrize("snippet", IMPORTING, ids=[s.name for s in IMPORTING])
+def test_every_import_the_docs_show_works(snippet, request):
+    """Also in the blocks that are not run as a whole (signatures)."""
+    _apply_markers(snippet, request)
+    for statement in _imports(snippet.code):
+        exec(compile(statement, snippet.name, "exec"), {})
+
+
+@pytest.mark.parametrize("snippet", ALL, ids=[s.name for s in ALL])
+def test_snippet_runs(snippet, workspace, monkeypatch, request):
+    if "skip" in snippet.markers:
+        pytest.skip(snippet.markers["skip"][0])
+    _apply_markers(snippet, request)
     monkeypatch.chdir(workspace)
     page = [s for s in ALL if s.page == snippet.page]
     index = page.index(snippet)
