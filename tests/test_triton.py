@@ -237,6 +237,19 @@ def test_rows_that_see_one_key_pass_their_output_gradient_through_exactly(case):
     assert torch.equal(grad_value, expected)
 
 
+def test_the_returned_lse_is_the_callers_to_change():
+    """The backward keeps its own row statistics: an in-place change to the returned lse
+    leaves the gradients as they were."""
+    inputs = [x.to(DEVICE) for x in make_qkv(1, 2, 1, 20, 20, 16)]
+    grad_out = torch.randn(inputs[0].shape, device=DEVICE)
+    _, expected = run(triton_attention, inputs, grad_out)
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out, lse = triton_attention(*leaves, return_lse=True)
+    lse.zero_()
+    out.backward(grad_out)
+    assert all(torch.equal(x.grad, g) for x, g in zip(leaves, expected, strict=True))
+
+
 def test_explicit_scale():
     query, key, value = (x.to(DEVICE) for x in make_qkv(1, 2, 2, 20, 20, 16))
     out = triton_attention(query, key, value, scale=0.3)

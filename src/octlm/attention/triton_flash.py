@@ -514,7 +514,9 @@ def _forward(query, key, value, documents, bounds, slopes, sinks, options):
     sizes = _sizes(query, key, documents, bounds, slopes, **options)
     tiles = _tiles("forward", sizes["HEAD_BLOCK"], query.dtype, q_len)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)  # (B, H, Q, D)
-    lse, shift, total = query.new_empty(3, batch, heads, q_len, dtype=torch.float32)  # (B, H, Q)
+    lse = query.new_empty(batch, heads, q_len, dtype=torch.float32)  # (B, H, Q), the caller's
+    # The backward's own, in a buffer apart: an in-place change to lse must not touch them.
+    shift, total = query.new_empty(2, batch, heads, q_len, dtype=torch.float32)  # (B, H, Q)
     grid = (triton.cdiv(q_len, tiles["BLOCK_M"]), heads, batch)
     _forward_kernel[grid](
         query, key, value, out, lse, shift, total, documents, bounds, slopes, sinks,
