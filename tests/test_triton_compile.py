@@ -24,7 +24,8 @@ COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from octlm.attention.tiled import triton_flash as kernels
 
-    FLOATS = ("LSE", "DELTA", "SLOPES", "SINKS", "DSLOPES")  # fp32 whatever the inputs
+    # fp32 whatever the inputs
+    FLOATS = ("LSE", "DELTA", "SLOPES", "SINKS", "DSLOPES", "SHIFT", "TOTAL", "INVERSE")
     INTEGERS = {"DOCS": "*i32", "BOUNDS": "*i32"}
     OPTIONS = ("DOCUMENTS", "PADDED", "SOFTCAP", "ALIBI", "SINK", "SLOPE_GRAD")
     USES = {"DOCUMENTS": "DOCS", "PADDED": "BOUNDS", "ALIBI": "SLOPES", "SINK": "SINKS",

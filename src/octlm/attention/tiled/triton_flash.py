@@ -12,20 +12,26 @@ log-sum-exp. Only ``mask`` and ``block_mask`` are left to the PyTorch blocks.
 Three kernels, one program per tile, no atomics:
 
 - forward: one program per (query block, head, batch) walks the key blocks its rows may see,
-  carrying ``running_max``/``running_sum`` (online softmax, base 2), and writes the output and
-  the fp32 log-sum-exp.
+  carrying ``running_max``/``running_sum`` (online softmax, base 2), and writes the output, the
+  fp32 log-sum-exp, and for the backward each row's final base-2 shift and sum.
 - key/value gradients: one program per (key block, kv head, batch) walks every query head of
   its GQA group and every query block that may see it, recomputing the probabilities as
-  ``exp(scores - lse)``; the group's sum happens in registers, in a fixed order.
+  ``exp2(scores - shift) / sum``; the group's sum happens in registers, in a fixed order.
 - query gradient: one program per (query block, head, batch) walks the key blocks again.
 
-``delta = rowsum(dO * O)`` is computed once beforehand, in PyTorch, and so are the gradients
-of the sinks (from lse and delta alone) and the sum of the query-gradient programs' partial
-sums for the ALiBi slopes. Key blocks that the causal or window rule or the padding hides from
-a whole query block (and vice versa) are never visited, nor are those outside the span of the
-block's documents: each key's document is passed as the first and one past the last position
-of its id in the row (:func:`_document_spans`), so a block's span is a min and a max, with no
-branch inside the loop. Inside the span, documents are masked element by element.
+The backward recomputes each score as the forward formed it: the same ``q @ kᵀ`` operand
+order (the key/value kernel transposes the product, not its operands), the same base-2
+arithmetic, and the forward's own shift, never one rebuilt from the natural-log lse (whose
+rounding, times ``log2(e)``, would move it). So a row whose only score is its shift gets
+probability exactly 1, as in the forward (docs/design.md §7, for the PyTorch engine).
+
+``delta = rowsum(dO * O)`` is computed once beforehand, in PyTorch, and so are the gradients of
+the sinks (from the row statistics and delta alone) and the sum of the query-gradient programs'
+partial sums for the ALiBi slopes. Key blocks that the causal or window rule or the padding
+hides from a whole query block (and vice versa) are never visited, nor are those outside the
+span of the block's documents: each key's document is passed as the first and one past the last
+position of its id in the row (:func:`_document_spans`), so a block's span is a min and a max,
+with no branch inside the loop. Inside the span, documents are masked element by element.
 
 Triton is optional (``octlm[triton]``): without it this module still imports and
 :func:`is_available` says False. With it, importing this module imports Triton (about 0.3 s)
@@ -51,6 +57,7 @@ except ImportError:  # octlm[triton] not installed
     triton = None
 
 MAX_HEAD_SIZE = 256
+LOG2E = 1.4426950408889634  # log2(e): the kernels keep scores in base 2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -146,16 +153,13 @@ def _scores(products, position, key, scale, softcap, slope, SOFTCAP: tl.constexp
 
 
 @_jit
-def _row_stats(LSE, DELTA, offset, rows, row_ok):
-    """A block's base-2 log-sum-exp and delta ``(M,)``, as the backward kernels need them.
-
-    Rows that see no key have lse = -inf; every score of theirs is masked to -inf, so any
-    finite shift (0) gives probability 0 where -inf would give NaN.
-    """
-    lse = tl.load(LSE + offset + rows, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # log2(e)
+def _row_stats(SHIFT, INVERSE, DELTA, offset, rows, row_ok):
+    """A block's forward shift (base 2), ``1 / sum`` and delta ``(M,)``: the probabilities are
+    ``exp2(score - shift) * inverse``. Rows that see no key have shift 0 and inverse 0."""
+    shift = tl.load(SHIFT + offset + rows, mask=row_ok, other=0.0)
+    inverse = tl.load(INVERSE + offset + rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + offset + rows, mask=row_ok, other=0.0)
-    return lse, delta
+    return shift, inverse, delta
 
 
 @_jit
@@ -171,7 +175,7 @@ def _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_h
 
 @_jit
 def _forward_kernel(
-    Q, K, V, O, LSE, DOCS, BOUNDS, SLOPES, SINKS,
+    Q, K, V, O, LSE, SHIFT, TOTAL, DOCS, BOUNDS, SLOPES, SINKS,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -183,7 +187,8 @@ def _forward_kernel(
     DOCUMENTS: tl.constexpr, PADDED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     SINK: tl.constexpr,
 ):  # fmt: skip
-    """Output and log-sum-exp of one query block of one head."""
+    """Output and log-sum-exp of one query block of one head, and each row's final base-2
+    shift and sum, from which the backward recomputes the probabilities."""
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
@@ -249,12 +254,16 @@ def _forward_kernel(
     lse = tl.where(seen, (running_max + tl.log2(total)) * 0.6931471805599453, float("-inf"))
     o_at = rows[:, None] * stride_ol + dims[None, :]  # (M, D)
     tl.store(o_base + o_at, out.to(O.dtype.element_ty), mask=q_ok)
-    tl.store(LSE + (batch * heads + head) * q_len + rows, lse, mask=rows < q_len)  # ln, not log2
+    stats = (batch * heads + head) * q_len + rows  # (M,)
+    tl.store(LSE + stats, lse, mask=rows < q_len)  # ln, not log2
+    # A row that sees nothing keeps shift 0: its scores are all -inf, so its weights are 0.
+    tl.store(SHIFT + stats, tl.where(seen, running_max, 0.0), mask=rows < q_len)
+    tl.store(TOTAL + stats, running_sum, mask=rows < q_len)
 
 
 @_jit
 def _key_value_grad_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DOCS, BOUNDS, SLOPES,
+    Q, K, V, DO, SHIFT, INVERSE, DELTA, DK, DV, DOCS, BOUNDS, SLOPES,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -269,7 +278,7 @@ def _key_value_grad_kernel(
 
     ``DO`` has the strides of ``Q`` (the wrapper makes sure); ``DK``/``DV`` share the strides
     ``stride_g*``. Tiles are transposed (keys by rows) so that both gradients come straight out
-    of a matmul.
+    of a matmul; the scores' products are taken as the forward takes them and then transposed.
     """
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1).to(tl.int64)
@@ -296,7 +305,7 @@ def _key_value_grad_kernel(
         head = kv_head * group + member
         q_base = Q + batch * stride_qb + head * stride_qh
         do_base = DO + batch * stride_qb + head * stride_qh
-        stats = (batch * heads + head) * q_len  # where this head's rows start in LSE, DELTA
+        stats = (batch * heads + head) * q_len  # where this head's rows start in the stats
         slope = _slope(SLOPES, batch, head, stride_sb, ALIBI)
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)  # (M,) query rows
@@ -305,8 +314,10 @@ def _key_value_grad_kernel(
             q_at = rows[:, None] * stride_ql + dims[None, :]  # (M, D) offsets, also for dO
             q = tl.load(q_base + q_at, mask=q_ok, other=0.0)  # (M, D)
             grad_out = tl.load(do_base + q_at, mask=q_ok, other=0.0)  # (M, D)
-            lse, delta = _row_stats(LSE, DELTA, stats, rows, row_ok)  # (M,), (M,)
-            products_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (N, M)
+            shift, inverse, delta = _row_stats(SHIFT, INVERSE, DELTA, stats, rows, row_ok)
+            # q @ kᵀ as in the forward, so each product is its bits; k @ qᵀ may round otherwise.
+            products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
+            products_t = tl.trans(products)  # (N, M)
             position = past + rows[None, :]  # (1, M)
             scores_t, tanh_t = _scores(products_t, position, cols[:, None], scale, softcap,
                                        slope, SOFTCAP, ALIBI)  # fmt: skip
@@ -317,7 +328,7 @@ def _key_value_grad_kernel(
                                                 k_len, BLOCK_M)  # fmt: skip
                 visible = visible & (key_docs[:, None] == row_docs[None, :])
             scores_t = tl.where(visible, scores_t, float("-inf"))
-            probs_t = tl.exp2(scores_t - lse[None, :])  # (N, M), the forward's weights
+            probs_t = tl.exp2(scores_t - shift[None, :]) * inverse[None, :]  # (N, M)
             grad_value = tl.dot(
                 probs_t.to(grad_out.dtype), grad_out, grad_value, input_precision=PRECISION
             )  # (N, D) += Pᵀ dO
@@ -337,7 +348,7 @@ def _key_value_grad_kernel(
 
 @_jit
 def _query_grad_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DOCS, BOUNDS, SLOPES, DSLOPES,
+    Q, K, V, DO, SHIFT, INVERSE, DELTA, DQ, DOCS, BOUNDS, SLOPES, DSLOPES,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -367,7 +378,8 @@ def _query_grad_kernel(
     q_at = batch * stride_qb + head * stride_qh + rows[:, None] * stride_ql + dims[None, :]
     q = tl.load(Q + q_at, mask=q_ok, other=0.0)  # (M, D); dO shares the query's strides
     grad_out = tl.load(DO + q_at, mask=q_ok, other=0.0)  # (M, D)
-    lse, delta = _row_stats(LSE, DELTA, (batch * heads + head) * q_len, rows, row_ok)
+    stats = (batch * heads + head) * q_len
+    shift, inverse, delta = _row_stats(SHIFT, INVERSE, DELTA, stats, rows, row_ok)  # (M,) each
     k_lo, k_hi = _key_bounds(BOUNDS, batch, k_len, PADDED)
     slope = _slope(SLOPES, batch, head, stride_sb, ALIBI)
     grad_query = tl.zeros([BLOCK_M, HEAD_BLOCK], tl.float32)  # (M, D), per unit of scores
@@ -392,7 +404,8 @@ def _query_grad_kernel(
         if DOCUMENTS:
             key_docs, _, _ = _document_span(DOCS, batch, stride_db, start_n, k_len, BLOCK_N)
             visible = visible & (row_docs[:, None] == key_docs[None, :])
-        probs = tl.exp2(tl.where(visible, scores, float("-inf")) - lse[:, None])  # (M, N)
+        scores = tl.where(visible, scores, float("-inf"))
+        probs = tl.exp2(scores - shift[:, None]) * inverse[:, None]  # (M, N), as the forward's
         grad_probs = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)  # (M, N)
         grad_scores = probs * (grad_probs - delta[:, None])  # (M, N)
         if SLOPE_GRAD:  # the bias is -slope * distance
@@ -494,24 +507,29 @@ def _unit_last(tensor: Tensor) -> Tensor:
 
 
 def _forward(query, key, value, documents, bounds, slopes, sinks, options):
-    """Launch the forward kernel: ``out`` (B, H, Q, D) in the input dtype, ``lse`` fp32."""
+    """Launch the forward kernel: ``out`` (B, H, Q, D) in the input dtype, and fp32 ``lse``,
+    ``shift`` and ``total`` (B, H, Q): each row's base-2 shift and ``sum exp2(score - shift)``
+    (0 and 0 for rows that see nothing), which the backward recomputes the probabilities from."""
     batch, heads, q_len, _ = query.shape
     sizes = _sizes(query, key, documents, bounds, slopes, **options)
     tiles = _tiles("forward", sizes["HEAD_BLOCK"], query.dtype, q_len)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)  # (B, H, Q, D)
-    lse = query.new_empty(batch, heads, q_len, dtype=torch.float32)  # (B, H, Q)
+    lse = query.new_empty(batch, heads, q_len, dtype=torch.float32)  # (B, H, Q), the caller's
+    # The backward's own, in a buffer apart: an in-place change to lse must not touch them.
+    shift, total = query.new_empty(2, batch, heads, q_len, dtype=torch.float32)  # (B, H, Q)
     grid = (triton.cdiv(q_len, tiles["BLOCK_M"]), heads, batch)
     _forward_kernel[grid](
-        query, key, value, out, lse, documents, bounds, slopes, sinks,
+        query, key, value, out, lse, shift, total, documents, bounds, slopes, sinks,
         *_strides(query, key, value, out), **sizes, **tiles, SINK=sinks is not None,
     )  # fmt: skip
-    return out, lse
+    return out, lse, shift, total
 
 
-def _backward(query, key, value, out, lse, grad_out, documents, bounds, slopes, slope_grad,
-              options):  # fmt: skip
+def _backward(query, key, value, out, shift, inverse, grad_out, documents, bounds, slopes,
+              slope_grad, options):  # fmt: skip
     """Launch the two gradient kernels: ``dq`` (B, H, Q, D), ``dk``/``dv`` (B, Hkv, K, D),
-    the slopes' gradient ``(B, H)`` if ``slope_grad`` (else None), and ``delta`` (B, H, Q)."""
+    the slopes' gradient ``(B, H)`` if ``slope_grad`` (else None), and ``delta`` (B, H, Q).
+    ``shift`` and ``inverse = 1 / total`` (B, H, Q) are the forward's row statistics."""
     batch, heads, q_len, _ = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     # The kernels read dO with the query's strides; a query with another layout is copied.
@@ -519,7 +537,7 @@ def _backward(query, key, value, out, lse, grad_out, documents, bounds, slopes, 
         query, grad_out = query.contiguous(), grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(dim=-1)  # (B, H, Q) rowsum(dO * O)
     sizes = _sizes(query, key, documents, bounds, slopes, **options)
-    pointers = (lse, delta)
+    pointers = (shift, inverse, delta)
     grad_query = torch.empty_like(query, memory_format=torch.contiguous_format)
     grad_key = torch.empty_like(key, memory_format=torch.contiguous_format)
     grad_value = torch.empty_like(value, memory_format=torch.contiguous_format)
@@ -533,7 +551,7 @@ def _backward(query, key, value, out, lse, grad_out, documents, bounds, slopes, 
     tiles = _tiles("query", sizes["HEAD_BLOCK"], query.dtype, q_len)
     grid = (triton.cdiv(q_len, tiles["BLOCK_M"]), heads, batch)
     # One partial sum per query block, added up here: deterministic, no atomics.
-    grad_slopes = lse.new_empty(batch, heads, grid[0]) if slope_grad else None  # (B, H, blocks)
+    grad_slopes = delta.new_empty(batch, heads, grid[0]) if slope_grad else None  # (B, H, blocks)
     _query_grad_kernel[grid](
         query, key, value, grad_out, *pointers, grad_query, documents, bounds, slopes,
         grad_slopes, *_strides(query, key, value, grad_query), **sizes, **tiles,
@@ -544,8 +562,8 @@ def _backward(query, key, value, out, lse, grad_out, documents, bounds, slopes, 
 
 
 class _TritonAttention(torch.autograd.Function):
-    """Autograd through the kernels; saves query, key, value, output and lse, and the
-    structure and modifier tensors given."""
+    """Autograd through the kernels; saves query, key, value, output and each row's shift and
+    sum, and the structure and modifier tensors given."""
 
     @staticmethod
     def forward(ctx, query, key, value, documents, bounds, alibi_slopes, sinks, options):
@@ -554,8 +572,12 @@ class _TritonAttention(torch.autograd.Function):
         if alibi_slopes is not None:
             slopes = alibi_slopes.detach().float().reshape(-1, heads).contiguous()
         sink_logits = None if sinks is None else sinks.detach().float().contiguous()  # (H,)
-        out, lse = _forward(query, key, value, documents, bounds, slopes, sink_logits, options)
-        ctx.save_for_backward(query, key, value, out, lse, documents, bounds, slopes, sink_logits)
+        out, lse, shift, total = _forward(
+            query, key, value, documents, bounds, slopes, sink_logits, options
+        )  # fmt: skip
+        ctx.save_for_backward(
+            query, key, value, out, shift, total, documents, bounds, slopes, sink_logits
+        )  # fmt: skip
         ctx.options = options
         ctx.modifiers = [None if x is None else (x.shape, x.dtype) for x in (alibi_slopes, sinks)]
         ctx.mark_non_differentiable(lse)
@@ -563,26 +585,28 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        query, key, value, out, lse, documents, bounds, slopes, sinks = ctx.saved_tensors
+        query, key, value, out, shift, total, documents, bounds, slopes, sinks = ctx.saved_tensors
         slope_grad = ctx.needs_input_grad[5]
+        inverse = torch.where(total > 0, 1.0 / total, 0.0)  # (B, H, Q), 0 where nothing is seen
         grad_query, grad_key, grad_value, grad_slopes, delta = _backward(
-            query, key, value, out, lse, _unit_last(grad_out), documents, bounds, slopes,
-            slope_grad, ctx.options,
+            query, key, value, out, shift, inverse, _unit_last(grad_out), documents, bounds,
+            slopes, slope_grad, ctx.options,
         )  # fmt: skip
         if grad_slopes is not None:  # (B, H) -> the slopes' (H,) or (B, H)
             shape, dtype = ctx.modifiers[0]
             grad_slopes = grad_slopes.sum_to_size(slopes.shape).view(shape).to(dtype)
         grad_sinks = None
         if ctx.needs_input_grad[6]:
-            grad_sinks = _sink_gradient(sinks, lse, delta).to(ctx.modifiers[1][1])
+            grad_sinks = _sink_gradient(sinks, shift, inverse, delta).to(ctx.modifiers[1][1])
         return grad_query, grad_key, grad_value, None, None, grad_slopes, grad_sinks, None
 
 
-def _sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
-    """d loss / d sinks ``(H,)``: a sink takes ``p = exp(sink - lse)`` of each row's mass and
-    gives no value, so ``d out / d sink = -p * out`` and the gradient is ``-sum p * delta``."""
-    taken = torch.exp(sinks.view(1, -1, 1) - lse)  # (B, H, Q)
-    taken = taken.masked_fill(lse == float("-inf"), 0.0)  # only a -inf sink leaves lse -inf
+def _sink_gradient(sinks: Tensor, shift: Tensor, inverse: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sinks ``(H,)``: a sink takes ``p = exp2(sink - shift) / total`` of each row's
+    mass (in the forward's base-2 units) and gives no value, so ``d out / d sink = -p * out``
+    and the gradient is ``-sum p * delta``. A -inf sink takes nothing (exp2(-inf) = 0)."""
+    logits = sinks.view(1, -1, 1) * LOG2E  # (1, H, 1), as the forward kernel scales them
+    taken = torch.exp2(logits - shift) * inverse  # (B, H, Q)
     return -(taken * delta).sum(dim=(0, 2))
 
 
