@@ -22,7 +22,7 @@ from octlm import records
 from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.bench import driver, ring, worker
 from octlm.bench.suites import FEATURES, Grid, Measurement, suite
-from octlm.bench.worker import FAULT_ENV
+from octlm.bench.worker import FAULT_ENV, FAULT_READY_ENV
 from octlm.cli import main
 
 # docs/design.md §5: the common fields, the benchmark record, and the fields added since.
@@ -65,21 +65,6 @@ def measured(m, probe, **where) -> dict:
     """An ok record with made-up figures, as a worker would print it."""
     figures = dict(seconds_median=0.1, extra_bytes=1, peak_bytes=2)
     return driver._failure(m, probe, 2, "ok", None, **figures, **{"experiment": "x", **where})
-
-
-def children(pid: int) -> dict[int, str]:
-    """Living child processes of ``pid``: their command lines, by pid (Linux /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            found[int(entry.name)] = cmdline
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -152,9 +137,9 @@ def test_a_sigkill_is_called_oom_only_when_the_oom_killer_acted(monkeypatch):
     assert driver._killed(signal.SIGTERM, 3) == ("killed", "worker killed by SIGTERM")
 
 
-def test_a_worker_past_its_timeout_is_killed_and_recorded(tmp_path, fake_probe):
+def test_a_worker_past_its_timeout_is_killed_and_recorded(tmp_path, fake_probe, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "sleep:flash,sleep:tiled")  # neither ever finishes
     output = tmp_path / "bench.jsonl"
-    # No worker imports torch in a tenth of a second: both time out, and both are recorded.
     assert driver.run(tiny("flash", "tiled"), output, timeout=0.1, peak=False) == 0
     rows = list(records.read(output))
     assert [r["status"] for r in rows] == ["timeout", "timeout"]
@@ -199,7 +184,8 @@ def test_an_output_is_checked_by_opening_it(tmp_path):
     assert not fresh.exists()  # the check leaves nothing behind
 
 
-def test_a_peak_probe_past_the_timeout_is_a_clear_error():
+def test_a_peak_probe_past_the_timeout_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "sleep:peak")  # the probe never finishes
     with pytest.raises(RuntimeError, match=r"took longer than --timeout 0\.01 s"):
         driver._peak("x", "r", False, 0.01)
 
@@ -284,18 +270,52 @@ def test_rounds_alternate_the_backends_and_resume_counts_rounds(tmp_path, fake_p
 def test_busy_measurements_run_beside_a_competitor_that_is_stopped_after(
     tmp_path, fake_probe, monkeypatch
 ):
+    started = []
+
+    class Recorded(driver.Competitor):
+        def set(self, busy: bool) -> None:
+            super().set(busy)
+            if self.process is not None and self.process not in started:
+                started.append(self.process)
+
     seen = []
 
     def spawn(m, probe, timeout, **where):
-        competing = [pid for pid, line in children(os.getpid()).items() if "--compete" in line]
-        seen.append((m.busy, len(competing)))
+        running = [p for p in started if p.poll() is None and "--compete" in p.args]
+        seen.append((m.busy, len(running)))
         return measured(m, probe, **where)
 
+    monkeypatch.setattr(driver, "Competitor", Recorded)
     monkeypatch.setattr(driver, "_spawn", spawn)
     measurements = tiny("flash", "tiled", busy=(False, True))
     assert driver.run(measurements, tmp_path / "bench.jsonl", peak=False) == 0
     assert seen == [(False, 0), (False, 0), (True, 1), (True, 1)]
-    assert not [line for line in children(os.getpid()).values() if "--compete" in line]
+    assert len(started) == 1 and started[0].returncode == -signal.SIGKILL
+
+
+def wait_for_fault(ready: Path, process: subprocess.Popen | None = None) -> int:
+    """The pid of the first worker that reached its test fault (it writes it to ``ready``)."""
+    deadline = time.monotonic() + 300  # a hang guard, not a measurement
+    while not (ready.exists() and ready.read_text().endswith("\n")):
+        assert process is None or process.poll() is None, "the driver ended first"
+        assert time.monotonic() < deadline, "no worker reached its fault"
+        time.sleep(0.05)
+    return int(ready.read_text().split()[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_is_bound_to_its_driver_before_it_runs_a_line():
+    """The parent-death signal is set between fork and exec, so a worker that is still
+    importing torch dies with a SIGKILLed driver: the child reads it as its first act."""
+    read = (
+        "import ctypes, signal; state = ctypes.c_int(); "
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(state)); "  # PR_GET_PDEATHSIG
+        "print(signal.Signals(state.value).name if state.value else 'none')"
+    )
+    child = driver.start([sys.executable, "-S", "-c", read])
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 0, stderr
+    assert stdout.strip() == "SIGKILL"
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
@@ -310,20 +330,11 @@ def test_a_worker_dies_with_its_driver(stop, tmp_path):
         "repeats=1); "
         f"sys.exit(driver.run(grid.measurements(), {str(output)!r}, peak=False))"
     )
-    env = {**os.environ, FAULT_ENV: "sleep:tiled"}
+    ready = tmp_path / "ready"
+    env = {**os.environ, FAULT_ENV: "sleep:tiled", FAULT_READY_ENV: str(ready)}
     process = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            sleeping = [
-                pid for pid, line in children(process.pid).items()
-                if "octlm.bench.worker" in line and '"tiled"' in line
-            ]  # fmt: skip
-            if sleeping:
-                break
-            assert process.poll() is None and time.monotonic() < deadline, "no tiled worker"
-            time.sleep(0.1)
-        [worker] = sleeping
+        worker = wait_for_fault(ready, process)
         process.send_signal(stop)
         process.communicate(timeout=60)
         deadline = time.monotonic() + 30
@@ -338,7 +349,9 @@ def test_a_worker_dies_with_its_driver(stop, tmp_path):
 
 
 def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, monkeypatch):
+    ready = tmp_path / "ready"
     monkeypatch.setenv(FAULT_ENV, "sleep:tiled")
+    monkeypatch.setenv(FAULT_READY_ENV, str(ready))
     workers = []
 
     class Recorded(subprocess.Popen):
@@ -349,9 +362,7 @@ def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, 
     returned = threading.Event()
 
     def press_ctrl_c():
-        while len(workers) < 2 and not returned.is_set():  # flash is done; tiled sleeps
-            time.sleep(0.1)
-        time.sleep(0.5)
+        wait_for_fault(ready)  # flash is done; tiled sleeps, its driver waiting on it
         if not returned.is_set():  # never interrupt pytest itself
             os.kill(os.getpid(), signal.SIGINT)
 

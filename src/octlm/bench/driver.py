@@ -191,9 +191,7 @@ def _peak(experiment: str, run: str, busy: bool, timeout: float) -> dict:
     """The ``peak`` record of this run, from a fresh worker."""
     command = [*WORKER, "--peak", "--experiment", experiment, "--run", run]
     command += ["--parent", str(os.getpid())] + ["--busy"] * busy
-    worker = subprocess.Popen(  # its own session, so that _kill reaches it
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    worker = start(command)
     try:
         stdout, stderr = worker.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -237,10 +235,7 @@ def _spawn(m: Measurement, probe: dict, timeout: float, **where) -> dict:
     command += ["--run", where["run"], "--round", str(where["round"])]
     command += ["--parent", str(os.getpid())]
     oom_kills = _oom_kills()
-    # Its own session: Ctrl-C reaches only the driver, which then ends the whole worker group.
-    worker = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    worker = start(command)
 
     def failure(status: str, reason: str, **more) -> dict:
         return _failure(m, probe, worker.pid, status, reason, **where, **more)
@@ -264,6 +259,20 @@ def _spawn(m: Measurement, probe: dict, timeout: float, **where) -> dict:
                 "error", f"worker printed no record: {_last_line(stderr) or 'no output'}"
             )
     return failure("error", f"worker exited with code {code}: {_last_line(stderr) or 'no output'}")
+
+
+def start(command: list[str], output: bool = True) -> subprocess.Popen:
+    """Start a child in its own session (Ctrl-C reaches only the driver, which then ends the
+    child's whole group), bound to die with the driver before it runs a line of its own."""
+    pipe = subprocess.PIPE if output else None
+    return subprocess.Popen(
+        command,
+        stdout=pipe,
+        stderr=pipe,
+        text=True,
+        start_new_session=True,
+        preexec_fn=guard.bind_to_parent(),
+    )
 
 
 def _killed(signum: int, oom_kills_before: int | None) -> tuple[str, str]:
@@ -316,10 +325,8 @@ class Competitor:
     def set(self, busy: bool) -> None:
         """Start the competing process, or stop it."""
         if busy and self.process is None:
-            self.process = subprocess.Popen(
-                [sys.executable, guard.__file__, "--compete", str(os.getpid())],
-                start_new_session=True,
-            )
+            command = [sys.executable, guard.__file__, "--compete", str(os.getpid())]
+            self.process = start(command, output=False)
         elif not busy and self.process is not None:
             _kill(self.process)
             self.process = None

@@ -3,6 +3,8 @@
 - :func:`die_with_parent`: a worker (or a benchmark's competing process) ends when the process
   that started it ends, however it ends. On Linux the kernel sees to it
   (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); elsewhere a thread watches ``os.getppid()``.
+- :func:`bind_to_parent`: the same guard set by the parent for a child it spawns, between fork
+  and exec, so it holds while the child still imports torch.
 - :func:`stop_on_signals`: SIGTERM and SIGHUP raise :class:`Stopped` in the driver, so the code
   that kills the running worker (the same as for Ctrl-C) runs before the driver exits.
 - :func:`run_stoppable`: a command's work under :func:`stop_on_signals`, ending as one line and
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -41,20 +42,49 @@ class Stopped(BaseException):
 
 def die_with_parent(parent: int) -> None:
     """End this process with SIGKILL once ``parent`` (the driver's pid) is gone."""
-    if not (sys.platform.startswith("linux") and _pdeathsig()):
+    if not _pdeathsig():
         threading.Thread(target=_watch, args=(parent,), daemon=True).start()
     # The parent may have died before the guard was set: then we are already an orphan.
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def bind_to_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child is SIGKILLed when this process
+    (more exactly, the thread calling ``Popen``) ends, from before its first instruction.
+
+    ``None`` where the kernel offers no such guard (not Linux); the child's own
+    :func:`die_with_parent` then watches instead.
+    """
+    libc = _libc()
+    if libc is None:
+        return None
+    parent = os.getpid()
+
+    def bind() -> None:  # runs in the child, after fork and before exec
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the guard was set
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return bind
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The loaded C library, for ``prctl``; ``None`` off Linux or where it has none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # this process's own symbols, libc's among them
+        libc.prctl  # noqa: B018  (raises AttributeError where there is none)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def _pdeathsig() -> bool:
     """Ask the kernel to SIGKILL us when our parent exits; False where that fails."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    libc = _libc()
+    return libc is not None and libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
 
 
 def _watch(parent: int) -> None:

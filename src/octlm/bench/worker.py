@@ -66,8 +66,11 @@ SDPA = {
 # What torch says when the one allowed SDPA backend cannot take the call.
 NO_KERNEL = ("No available kernel", "No viable backend")
 # Test hook, for tests/test_bench.py only: OCTLM_BENCH_FAULT="kill:naive,sleep:tiled" makes
-# every measurement of a named backend fail that way (kill, sleep, raise or oom).
+# every measurement of a named backend ("peak" for the matmul probe) fail that way (kill,
+# sleep, raise or oom); a worker about to fail first appends its pid to the file named by
+# OCTLM_BENCH_FAULT_READY, so a test can wait for that moment instead of guessing it.
 FAULT_ENV = "OCTLM_BENCH_FAULT"
+FAULT_READY_ENV = "OCTLM_BENCH_FAULT_READY"
 
 
 class Unsupported(Exception):
@@ -276,6 +279,10 @@ def _test_fault(backend: str) -> None:
     """Test hook (see ``FAULT_ENV``): fail the way a real worker can, for one backend."""
     faults = [item.partition(":") for item in os.environ.get(FAULT_ENV, "").split(",")]
     fault = next((fault for fault, _, target in faults if target == backend), None)
+    ready = os.environ.get(FAULT_READY_ENV)
+    if fault and ready:
+        with open(ready, "a") as file:
+            file.write(f"{os.getpid()}\n")
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "sleep":
@@ -312,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(probe(args.probe)), flush=True)
         return
     if args.peak:
+        _test_fault("peak")
         print(json.dumps(matmul_peak(args.experiment, args.run, args.busy)), flush=True)
         return
     spec = json.loads(args.json)
