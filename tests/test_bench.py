@@ -26,7 +26,8 @@ from octlm.bench.worker import FAULT_ENV, FAULT_READY_ENV
 from octlm.cli import main
 
 # docs/design.md §5: the common fields, the benchmark record, and the fields added since.
-COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu"]
+COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu", "cpus"]
+COMMON += ["cpu_flags", "memory_bytes"]  # the machine, so that reports keep machines apart
 BENCHMARK = [
     "backend", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "length", "causal",
     "window", "block", "status", "reason", "repeats", "seconds_median", "seconds_iqr",

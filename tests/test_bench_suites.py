@@ -13,7 +13,7 @@ from octlm import records
 from octlm.bench import worker
 from octlm.bench.suites import FEATURES, PROGRAMS, SUITES, suite
 from octlm.cli import main
-from octlm.report.claims import baseline_rows
+from octlm.report.baseline import baseline_rows
 
 CONTEXT = {"torch": "x", "device": "cpu", "threads": 1, "host_cpu": "test"}
 

@@ -201,18 +201,20 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 def _report_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm report``: which records, and where the Markdown and plots go."""
     parser.description = (
-        "Tables and plots from records: the baseline figures beside this machine's, ratios "
-        "within rounds and under contention, equivalence, the structure cases, ring attention, "
-        "a training run's metrics, and every plain measurement."
+        "Tables and plots from records: this machine's figures beside the baseline's, ratios "
+        "within rounds and under contention, equivalence, the structure cases, auto's route, "
+        "ring attention, training steps, and every plain measurement; records of different "
+        "machines reported apart. Given a training run's folder (or its metrics.jsonl): that "
+        "run's report (loss curve, held-out bits per byte, tokens/s, configuration)."
     )
     parser.add_argument(
         "paths",
         nargs="*",
-        help="records files, a training run's metrics.jsonl among them (default: runs/*.jsonl)",
+        help="records files, or training run folders (default: runs/*.jsonl)",
     )
     parser.add_argument(
         "--output",
-        default="runs/report.md",
+        default="runs/local/report.md",
         help="the report; PNGs go beside it (default %(default)s)",
     )
 

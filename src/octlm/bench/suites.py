@@ -169,10 +169,21 @@ _STRUCTURE = Grid(backends=("flash", "tiled", "math"), lengths=(8192,))
 _ROUTE = Grid(backends=("auto", "flash", "tiled"), lengths=(8192,))
 
 SUITES: dict[str, tuple[Grid, ...]] = {
-    # The reference grid: SDPA's MATH against its FLASH backend (and the others) on the CPU,
-    # forward, batch 1, 8 heads of 32, float32 and bfloat16; and the forward-only blocking
-    # sketch that octlm's tiled attention grew from (bench/sketch.py).
+    # The baseline, in minutes on 2 CPU cores (``make report``): SDPA's MATH against its FLASH
+    # backend and tiled, forward, batch 1, 8 heads of 32, causal, float32 to 8,192 tokens;
+    # bfloat16 against float32 (MATH to 4,096); naive and the blocking sketch that tiled grew
+    # from (bench/sketch.py) to 4,096; the memory-efficient backend once, to say if the CPU
+    # has a kernel for it.
     "baseline": (
+        Grid(backends=("math", "flash", "tiled"), lengths=_CPU_LENGTHS),
+        Grid(backends=("flash", "tiled"), lengths=_CPU_LENGTHS, dtypes=("bfloat16",)),
+        Grid(backends=("math",), lengths=_CPU_LENGTHS[:-1], dtypes=("bfloat16",)),
+        Grid(backends=("naive", "sketch"), lengths=_CPU_LENGTHS[:-1]),
+        Grid(backends=("efficient",), lengths=_CPU_LENGTHS[:1]),
+    ),
+    # The whole baseline grid (``make reference``): every backend at every length in float32
+    # and bfloat16, and the sketch to 8,192; naive alone at 8,192 takes minutes and GiBs.
+    "reference": (
         Grid(
             backends=("math", "flash", "efficient", "tiled", "naive"),
             lengths=_CPU_LENGTHS,

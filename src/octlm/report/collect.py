@@ -45,27 +45,52 @@ class Collected:
 
 
 def collect(paths: Iterable[str | os.PathLike]) -> Collected:
-    """Read each of ``paths`` once. ``FileNotFoundError`` names a missing file."""
+    """Read each of ``paths`` once, every machine's records together. ``FileNotFoundError``
+    names a missing file."""
+    found, read = _read(paths)
+    return _sorted(found, read)
+
+
+def by_machine(paths: Iterable[str | os.PathLike]) -> tuple[Collected, list[Collected]]:
+    """All of ``paths``' records, and the same split by machine (:func:`records.identity`):
+    the machine with the most records first. Figures of two machines are never paired."""
+    found, read = _read(paths)
+    machines: dict[tuple, list[tuple[Path, dict]]] = {}
+    for path, record in read:
+        machines.setdefault(records.identity(record), []).append((path, record))
+    parts = [
+        _sorted(Collected(found.paths), group)
+        for group in sorted(machines.values(), key=lambda group: (-len(group), str(group[0])))
+    ]
+    return _sorted(found, read), parts
+
+
+def _read(paths: Iterable[str | os.PathLike]) -> tuple[Collected, list[tuple[Path, dict]]]:
     given = {Path(p).resolve(): Path(p) for p in reversed(list(paths))}  # each file once
     found = Collected(list(reversed(given.values())))
+    read = [(path, record) for path in found.paths for record in records.read(path, found.skipped)]
+    return found, read
+
+
+def _sorted(found: Collected, read: list[tuple[Path, dict]]) -> Collected:
+    """``found`` with ``read``'s records sorted in by kind."""
     verify: list[dict] = []
-    for path in found.paths:
-        for record in records.read(path, found.skipped):
-            kind = record["kind"]
-            if kind == "bench":
-                place = (machine_of(record), key_of(record), record.get("round", 1))
-                if place not in found.rounds or _replaces(record, found.rounds[place]):
-                    found.rounds[place] = record
-            elif kind == "ring":
-                found.ring.append(record)
-            elif kind == "peak":
-                found.peaks.append(record)
-            elif kind == "verify":
-                verify.append(record)
-            elif kind == "check" and record.get("experiment") == "train-attention":
-                found.train_attention.append(record)
-            elif kind in ("train_step", "eval"):
-                found.train.append({**record, "source": str(path)})
+    for path, record in read:
+        kind = record["kind"]
+        if kind == "bench":
+            place = (machine_of(record), key_of(record), record.get("round", 1))
+            if place not in found.rounds or _replaces(record, found.rounds[place]):
+                found.rounds[place] = record
+        elif kind == "ring":
+            found.ring.append(record)
+        elif kind == "peak":
+            found.peaks.append(record)
+        elif kind == "verify":
+            verify.append(record)
+        elif kind == "check" and record.get("experiment") == "train-attention":
+            found.train_attention.append(record)
+        elif kind in ("train_step", "eval"):
+            found.train.append({**record, "source": str(path)})
     found.verify = latest_runs(verify)
     return found
 
@@ -79,8 +104,8 @@ def where(record: dict) -> str:
 
 
 def machine_of(record: dict) -> tuple:
-    """A record's machine: :func:`where`, the host CPU and the torch version."""
-    return where(record), record.get("host_cpu"), record.get("torch")
+    """A record's machine: :func:`where` and :func:`records.identity` (CPU, torch, ...)."""
+    return where(record), *records.identity(record)
 
 
 def _replaces(new: dict, old: dict) -> bool:
@@ -127,7 +152,7 @@ def measurements(found: Iterable[dict]) -> list[dict]:
 
 
 def plain(record: dict) -> bool:
-    """Square attention without window, padding or a score feature: the Day 2 note's kind of
+    """Square attention without window, padding or a score feature: the baseline's kind of
     record."""
     return (
         not record.get("window")
@@ -154,7 +179,7 @@ def backend_label(record: dict) -> str:
 BUSY_LOAD = 0.5
 MIN_CPU_SHARE = 0.75
 # What a record says of the load it was measured under.
-LOAD_FIELDS = ("cpu_seconds", "wall_seconds", "threads", "load_before", "load_after", "cpus")
+LOAD_FIELDS = ("cpu_seconds", "wall_seconds", "threads", "load_before", "load_after")
 
 
 def busy(record: dict) -> str | None:

@@ -1,21 +1,21 @@
-"""The Day 2 note's two equivalence figures beside this machine's, from ``octlm verify``."""
+"""The baseline's two equivalence figures beside this machine's, from ``octlm verify``."""
 
 from __future__ import annotations
 
-from octlm.report.format import NOT_MEASURED, table
+from octlm.report.format import filled_by, table
 
-# (check, the Day 2 note's figure, the record field whose worst value is shown, which records).
+# (check, the baseline's figure, the record field whose worst value is shown, which records).
 ROWS = (
     (
         "tiled vs SDPA, float32, lengths 128-1,024, blocks 64-256", "4.8e-7",
         "max_abs_diff", dict(experiment="tiled-sdpa", left="tiled"),
     ),
     (
-        "tiled vs float64 reference (same cases)", "not in the note",
+        "tiled vs float64 reference (same cases)", "none",
         "error", dict(experiment="tiled-sdpa", left="tiled"),
     ),
     (
-        "SDPA vs float64 reference (same lengths)", "not in the note",
+        "SDPA vs float64 reference (same lengths)", "none",
         "error", dict(experiment="tiled-sdpa", left="sdpa"),
     ),
     (
@@ -23,7 +23,7 @@ ROWS = (
         "max_abs_diff", dict(check="model logits", left="sdpa"),
     ),
     (
-        "whole model, tiled vs naive logits, 8/4/2/1 KV heads", "not in the note",
+        "whole model, tiled vs naive logits, 8/4/2/1 KV heads", "none",
         "max_abs_diff", dict(check="model logits", left="tiled"),
     ),
 )  # fmt: skip
@@ -32,13 +32,13 @@ ROWS = (
 def section(checks: list[dict]) -> list[str]:
     """Worst figures of each experiment's latest run, with how many checks passed."""
     if not checks:
-        return [NOT_MEASURED, ""]
+        return [filled_by("verify"), ""]
 
     def worst(field: str, **want) -> str:
         found = [r for r in checks if all(r.get(k) == v for k, v in want.items())]
         found = [r for r in found if isinstance(r.get(field), int | float)]
         if not found:
-            return NOT_MEASURED
+            return "no records"
         passed = sum(r["passed"] for r in found)
         return f"{max(r[field] for r in found):.2g} ({passed}/{len(found)} pass)"
 
@@ -52,5 +52,5 @@ def section(checks: list[dict]) -> list[str]:
         f"experiments, {failed} failed. Figures are the worst case; the pass count applies "
         "docs/design.md §4 (error against float64 within twice naive's).",
         "",
-        *table(["Check", "Day 2 note", "Here"], body),
+        *table(["Check", "Baseline", "This machine"], body),
     ]

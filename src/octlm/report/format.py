@@ -8,12 +8,28 @@ from octlm.report.collect import busy
 
 MiB = 2**20
 NOT_MEASURED = "not measured"
+# The command that measures each kind of record, named where a report has none of them.
+COMMANDS = {
+    "baseline": "octlm bench --suite baseline",
+    "train": "octlm bench --suite train",
+    "structure": "octlm bench --suite structure",
+    "route": "octlm bench --suite route",
+    "contention": "octlm bench --backends flash tiled --lengths 8192 --busy",
+    "ring": "octlm bench --suite ring",
+    "training": "octlm bench --suite training --what attention",
+    "verify": "octlm verify",
+}
 BUSY_MARK = "†"
 BUSY_NOTE = (
     f"{BUSY_MARK} measured while the machine was busy (the process got under three quarters of "
     "its threads' CPU time; for records without CPU times, the load average was above the CPU "
     "count): treat it with care."
 )
+
+
+def filled_by(what: str, text: str = "No records yet") -> str:
+    """``text``, naming the command whose records would fill it in."""
+    return f"{text} (`{COMMANDS[what]}`)"
 
 
 def mib(record: dict) -> str:
@@ -52,9 +68,10 @@ def is_ok(record: dict | None) -> bool:
 
 
 def cell(record: dict | None) -> str:
-    """``time, memory`` of an ok record, marked when the machine was busy; else its status."""
+    """``time, memory`` of an ok record, marked when the machine was busy; else its status;
+    a dash where there is no record."""
     if record is None:
-        return NOT_MEASURED
+        return "—"
     if record["status"] != "ok":
         return record["status"]
     text = f"{seconds(record['seconds_median'])}, {mib(record)}"

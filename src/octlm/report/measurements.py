@@ -4,7 +4,7 @@ and shape, with the measurements taken while the machine was busy marked."""
 from __future__ import annotations
 
 from octlm.report.collect import backend_label, plain, where
-from octlm.report.format import NOT_MEASURED, cell, table
+from octlm.report.format import cell, table
 
 PLAIN_SHAPE = ("device", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "causal")
 
@@ -35,4 +35,4 @@ def section(rows: list[dict]) -> list[str]:
             ["length", *backends],
             [[f"{n:,}", *(cell(cells.get((n, b))) for b in backends)] for n in lengths],
         )
-    return lines or [NOT_MEASURED]
+    return lines or ["No measurement without window, padding or cache.", ""]

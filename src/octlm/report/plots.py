@@ -22,11 +22,11 @@ def _shape_label(shape: tuple) -> str:
     return text + ("" if causal else " full") + (f", {threads} threads" if threads else "")
 
 
-def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
+def plot(rows: list[dict], folder: str | os.PathLike, prefix: str = "") -> list[str]:
     """Log-log time and extra memory against length, one figure per device, mode and metric.
 
     One line per backend, dtype and shape (batch, heads, head size, causal, threads; named in
-    the legend where the figure has several). Returns the file names.
+    the legend where the figure has several). Returns the file names, each led by ``prefix``.
     """
     import matplotlib
 
@@ -68,7 +68,7 @@ def plot(rows: list[dict], folder: str | os.PathLike) -> list[str]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize="small")
             slug = "".join(c if c.isalnum() else "-" for c in str(device).lower())
-            name = f"bench-{slug}-{mode}-{metric}.png"
+            name = f"{prefix}bench-{slug}-{mode}-{metric}.png"
             figure.tight_layout()
             figure.savefig(Path(folder) / name, dpi=120)
             plt.close(figure)

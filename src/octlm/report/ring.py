@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from octlm.report.format import NOT_MEASURED, MiB, mib, seconds, table
+from octlm.report.format import MiB, filled_by, mib, seconds, table
 
 
 def section(found: list[dict]) -> list[str]:
@@ -10,7 +10,7 @@ def section(found: list[dict]) -> list[str]:
     itself (the baseline holds the rank's shard of query, key and value, which is what shrinks
     as processes are added)."""
     if not found:
-        return [NOT_MEASURED, ""]
+        return [filled_by("ring"), ""]
     body = []
     for r in sorted(found, key=lambda r: (r["mode"], r["length"], r["world_size"])):
         row = [r["mode"], f"{r['length']:,}", str(r["world_size"])]

@@ -15,7 +15,7 @@ import statistics
 from octlm.attention.tiles import DEFAULT_BLOCK
 from octlm.bench.suites import KEY_FIELDS
 from octlm.report.collect import Collected, backend_label, busy, where
-from octlm.report.format import BUSY_MARK, NOT_MEASURED, spread, table
+from octlm.report.format import BUSY_MARK, filled_by, spread, table
 
 # Contention target: (tiled busy / tiled idle) <= CONTENTION_TARGET * (FLASH busy / FLASH idle).
 CONTENTION_TARGET = 1.1
@@ -137,12 +137,12 @@ def section(found: Collected) -> list[str]:
             f"{shape['device']} {describe(shape)}", f"{backend} ÷ FLASH", spread(ratios),
             _of_peak(found, list(tops)), _of_peak(found, list(bottoms)), _flagged(found_pairs),
         ])  # fmt: skip
-    lines += ["### Time ratios within a round (longest length of each series)", ""]
+    lines += ["### Each backend's time over FLASH's (longest length of each series)", ""]
     if body:
         header = ["Shape", "Ratio", "Median (min–max, rounds)", "% of peak", "FLASH % of peak"]
         lines += table([*header, "Rounds on a busy machine"], body)
     else:
-        lines += [f"{NOT_MEASURED}: no round measured FLASH beside another backend", ""]
+        lines += [filled_by("baseline", "No round measured FLASH beside another backend"), ""]
     lines += _dtypes(found)
     lines += _contention(found)
     return lines
@@ -150,7 +150,7 @@ def section(found: Collected) -> list[str]:
 
 def _peaks(found: Collected) -> list[str]:
     if not found.peaks:
-        return ["Matrix-multiply peak: " + NOT_MEASURED + ".", ""]
+        return ["No matrix-multiply peak was recorded: no time is given as a fraction of it.", ""]
     idle = [p["gflops"] for p in found.peaks if not p.get("busy")]
     size = found.peaks[0].get("size")
     text = f"Matrix-multiply peak (float32 `torch.mm`, {size}², median of each run's calls): "
@@ -192,13 +192,13 @@ def _contention(found: Collected) -> list[str]:
         tiled_growth = _growths(tiled)
         cells = [f"{shape['device']} {describe(shape)}", spread(list(tiled_growth.values()))]
         if not flash:
-            body.append([*cells, NOT_MEASURED, "", ""])
+            body.append([*cells, "—", "", ""])
             continue
         flash_growth = _growths(flash)
         rounds = sorted(set(tiled_growth) & set(flash_growth), key=str)
         relative = [tiled_growth[r] / flash_growth[r] for r in rounds]
         if not relative:  # both grew, but never in the same round
-            body.append([*cells, spread(list(flash_growth.values())), NOT_MEASURED, ""])
+            body.append([*cells, spread(list(flash_growth.values())), "—", ""])
             continue
         met = "yes" if statistics.median(relative) <= CONTENTION_TARGET else "no"
         if any(busy(idle) for _, idle in [*tiled, *flash]):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 from octlm.report.collect import Collected
-from octlm.report.format import NOT_MEASURED, spread, table
+from octlm.report.format import filled_by, spread, table
 from octlm.report.rounds import by_round, describe, shape_of
 from octlm.report.structure import case_of
 
@@ -37,7 +37,7 @@ def section(found: Collected) -> list[str]:
         reason = by["auto"].get("route", "not recorded")
         entry["why"][reason] = entry["why"].get(reason, 0) + 1
     if not series:
-        return [f"{NOT_MEASURED}: no round measured auto beside FLASH and tiled", ""]
+        return [filled_by("route", "No round measured auto beside FLASH and tiled"), ""]
     body = []
     for entry in sorted(series.values(), key=lambda e: _order(e["shape"])):
         shape, ratios = entry["shape"], entry["ratios"]

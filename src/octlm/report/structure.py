@@ -6,7 +6,7 @@ the mask."""
 from __future__ import annotations
 
 from octlm.report.collect import backend_label, where
-from octlm.report.format import NOT_MEASURED, cell, is_ok, ratio, table
+from octlm.report.format import cell, filled_by, is_ok, ratio, table
 
 # The targets: (ratio, its bound or None for none, True when the ratio must be at least the
 # bound), set for TARGET_KEYS keys: at other lengths the ratio is shown but not judged.
@@ -65,8 +65,6 @@ def section(rows: list[dict]) -> list[str]:
     for case, (ratio_name, target, at_least) in TARGETS.items():
         wanted = "" if target is None else f"{ratio_name} {'≥' if at_least else '≤'} {target:g}×"
         wanted += f" at {TARGET_KEYS:,} keys" if wanted else ""
-        if not groups[case]:
-            body.append([case, NOT_MEASURED, "", "", "", "", wanted, ""])
         for shape, by in sorted(groups[case].items(), key=str):
             device, mode, dtype, q_len, length, window, padding = shape[: len(STRUCTURE_SHAPE)]
             queries = "1 query" if q_len == 1 else f"{q_len:,} queries"
@@ -89,9 +87,16 @@ def section(rows: list[dict]) -> list[str]:
                     met = "yes" if (value >= target if at_least else value <= target) else "no"
             body.append([case, described, *cells, shown, wanted, met])
     header = ["Case", "Shape", "tiled", "FLASH (dense mask)", "MATH", "Ratio", "Target", "Met"]
+    missing = [case for case in TARGETS if not groups[case]]
     return [
         "Speed-up is the SDPA FLASH time (dense mask) ÷ the tiled time; slowdown is its "
         "inverse, tiled ÷ FLASH.",
         "",
         *table(header, body),
+        *([filled_by("structure", "No records of: " + "; ".join(missing)), ""] if missing else []),
     ]
+
+
+def measured(rows: list[dict]) -> bool:
+    """Whether any of ``rows`` measures a structure case."""
+    return any(case_of(r) in TARGETS for r in rows)

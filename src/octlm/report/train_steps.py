@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from octlm.report.format import NOT_MEASURED, spread, table
+from octlm.report.format import filled_by, spread, table
 
 SHOWN = ("naive", "sdpa", "tiled", "auto")
 RIVALS = ("sdpa", "tiled")
@@ -21,7 +21,7 @@ def section(found: list[dict]) -> list[str]:
     """A row per (threads, length, batch, packing, dtype); a column per implementation."""
     ok = [r for r in found if r.get("status") == "ok"]
     if not ok:
-        return [NOT_MEASURED, ""]
+        return [filled_by("training", "No training step measured ok"), ""]
     rows: dict[tuple, dict] = {}
     for r in ok:
         shape = (r["threads"], r["length"], r["batch"], bool(r.get("packed")), r["dtype"])

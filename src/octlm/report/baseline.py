@@ -1,8 +1,11 @@
-"""The Day 2 note's claims beside this machine's figures.
+"""The baseline: the figures this project started from, beside this machine's.
 
-The note measured MATH, FLASH and the memory-efficient backend on a laptop CPU (batch 1, 8
-heads of 32, causal, forward) and sketched tiled attention without timing it; each row here
-puts its figure beside the one computed from this machine's records.
+The baseline is one first measurement on a laptop CPU: SDPA's MATH backend (the plain
+softmax(QKᵀ)V, which builds the whole score matrix) against its FLASH backend (a fused kernel
+that never does), with the memory-efficient backend tried, at batch 1, 8 heads of 32, causal,
+forward, float32 and bfloat16. It also sketched a blocking of the computation in plain PyTorch
+(``sketch``, bench/sketch.py), which octlm's tiled attention grew from. Each row puts a
+baseline figure beside the one computed from this machine's records.
 """
 
 from __future__ import annotations
@@ -10,17 +13,20 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from octlm.bench.worker import NO_KERNEL
 from octlm.report.collect import backend_label, machine_of, plain
-from octlm.report.format import NOT_MEASURED, mib, ratio, seconds
+from octlm.report.format import NOT_MEASURED, filled_by, mib, ratio, seconds, table
 
-# The Day 2 note's benchmark shape, which its claims are about.
+# The baseline's benchmark shape, which its figures are about.
 BASELINE_SHAPE = {"batch": 1, "heads": 8, "kv_heads": 8, "head_size": 32, "causal": True}
 FLASH32, TILED32 = dict(backend="flash", dtype="float32"), dict(backend="tiled", dtype="float32")
-HEADER = ["Claim", "Day 2 note (laptop CPU)", "Here"]
+HEADER = ["What", "Baseline (laptop CPU)", "This machine"]
+# Part of a figure without records (a whole figure without them is NOT_MEASURED).
+NO_RECORDS = "no records"
 
 
 def baseline_rows(rows: list[dict], mode: str = "forward") -> list[dict]:
-    """Plain CPU records of the Day 2 note's shape, in ``mode``, of one machine: the one (with
+    """Plain CPU records of the baseline's shape, in ``mode``, of one machine: the one (with
     its thread count, CPU and torch) that has the most of them, so no figure sets one machine's
     time over another's."""
     found = [
@@ -60,8 +66,8 @@ def _growth(small: dict, large: dict) -> float:
     return (large["extra_bytes"] / max(small["extra_bytes"], 1)) ** (1 / doublings)
 
 
-def claims(rows: list[dict]) -> list[list[str]]:
-    """Rows of (claim, the Day 2 note's figure, this machine's figure)."""
+def comparison(rows: list[dict]) -> list[list[str]]:
+    """Rows of (what, the baseline's figure, this machine's figure)."""
     forward, train = baseline_rows(rows), baseline_rows(rows, "train")
     return [
         [
@@ -79,35 +85,50 @@ def claims(rows: list[dict]) -> list[list[str]]:
         ["memory-efficient backend on CPU", "no CPU kernel", _efficient(rows)],
         [
             "tiled against FLASH, forward float32",
-            "not in the note (a sketch, not timed)",
+            "none: tiled was only sketched",
             _tiled_vs_flash(forward),
         ],
         [
-            "tiled against the note's sketch, forward float32",
-            "not timed in the note",
+            "tiled against the blocking sketch it grew from, forward float32",
+            "none: the sketch was not timed",
             _tiled_vs_sketch(forward),
         ],
         [
             "tiled bfloat16 against tiled float32",
-            "not in the note",
+            "none",
             _tiled_bf16(forward),
         ],
         [
             "training time (forward + backward): tiled against FLASH, float32",
-            "not in the note (forward only)",
+            "none: forward only",
             _train_time(train),
         ],
         [
             "training at 16,384 tokens, float32",
-            "not in the note",
+            "none",
             _train_long(train),
         ],
         [
             "training memory: tiled against FLASH and MATH",
-            "not in the note (forward only)",
+            "none: forward only",
             _train_memory(train),
         ],
     ]
+
+
+def section(rows: list[dict]) -> list[str]:
+    """The comparison table of the figures this machine has, then one line per command
+    naming those it lacks."""
+    found = comparison(rows)
+    lacking: dict[str, list[str]] = {}
+    for number, (what, _baseline, here) in enumerate(found):
+        if here == NOT_MEASURED or all(part.endswith(NO_RECORDS) for part in here.split("; ")):
+            lacking.setdefault("train" if number >= len(found) - 3 else "baseline", []).append(what)
+    shown = [row for row in found if not any(row[0] in names for names in lacking.values())]
+    lines = table(HEADER, shown) if shown else []
+    for command, names in lacking.items():
+        lines += [filled_by(command, "No records of: " + "; ".join(names)), ""]
+    return lines
 
 
 def _math_growth(rows: list[dict]) -> str:
@@ -154,7 +175,7 @@ def _bf16(rows: list[dict]) -> str:
             rows, dict(backend=backend, dtype="bfloat16"), dict(backend=backend, dtype="float32")
         )
         if found is None:
-            parts.append(f"{name} {NOT_MEASURED}")
+            parts.append(f"{name}: {NO_RECORDS}")
             continue
         times, length = found
         verdict = "slower" if times > 1 else "faster"
@@ -167,9 +188,12 @@ def _efficient(rows: list[dict]) -> str:
     if not tried:
         return NOT_MEASURED
     unsupported = [r for r in tried if r["status"] == "unsupported"]
-    if len(unsupported) == len(tried):
-        return f"unsupported in all {len(tried)} measurements: {unsupported[0].get('reason')}"
-    return f"ran: {len(tried) - len(unsupported)} of {len(tried)} measurements ok"
+    if len(unsupported) < len(tried):
+        return f"ran: {len(tried) - len(unsupported)} of {len(tried)} measurements ok"
+    reason = unsupported[0].get("reason") or ""
+    if any(text in reason for text in NO_KERNEL):  # torch: "turning off ... fused kernels"
+        return f"no CPU kernel: torch has this backend for CUDA only ({len(tried)} refused)"
+    return f"unsupported in all {len(tried)} measurements: {reason}"
 
 
 def _tiled_vs_flash(rows: list[dict]) -> str:
@@ -211,7 +235,7 @@ def _train_long(rows: list[dict]) -> str:
         ]
         found.sort(key=lambda r: r["status"] != "ok")  # a figure before a failure
         if not found:
-            parts.append(f"{backend} {NOT_MEASURED}")
+            parts.append(f"{backend}: {NO_RECORDS}")
         elif found[0]["status"] == "ok":
             parts.append(f"{backend} {seconds(found[0]['seconds_median'])}, {mib(found[0])}")
         else:
@@ -226,7 +250,7 @@ def _train_memory(rows: list[dict]) -> str:
         other = ok_by_length(rows, backend=backend, dtype="float32")
         length = common_length(8192, tiled, other)
         if length is None:
-            parts.append(f"vs {name} {NOT_MEASURED}")
+            parts.append(f"vs {name}: {NO_RECORDS}")
             continue
         t, o = tiled[length], other[length]
         parts.append(
