@@ -20,10 +20,10 @@ import torch
 
 from octlm import records
 from octlm.attention.tiles import DEFAULT_BLOCK
-from octlm.bench import driver, ring, worker
-from octlm.bench.suites import FEATURES, Grid, Measurement, suite
-from octlm.bench.worker import FAULT_ENV, FAULT_READY_ENV
 from octlm.cli import main
+from octlm.lab.bench import driver, ring, worker
+from octlm.lab.bench.suites import FEATURES, Grid, Measurement, suite
+from octlm.lab.bench.worker import FAULT_ENV, FAULT_READY_ENV
 
 # docs/design.md §5: the common fields, the benchmark record, and the fields added since.
 COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu", "cpus"]
@@ -68,6 +68,22 @@ def measured(m, probe, **where) -> dict:
     return driver._failure(m, probe, 2, "ok", None, **figures, **{"experiment": "x", **where})
 
 
+def children(pid: int) -> dict[int, str]:
+    """Living child processes of ``pid``: their command lines, by pid (Linux /proc). A child
+    just started may not show its command line yet: poll, or wait on a signal of its own."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found[int(entry.name)] = cmdline
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -79,10 +95,10 @@ def alive(pid: int) -> bool:
 def test_each_measurement_has_its_own_worker_and_a_full_record(tmp_path):
     output = tmp_path / "bench.jsonl"
     argv = [
-        "bench", "--backends", "math", "tiled", "efficient", "triton", "--lengths", "64",
-        "--dtypes", "float32", "--heads", "2", "--head-size", "16", "--repeats", "2",
-        "--q-len", "16", "--window", "8", "--padding", "0.25", "--output", str(output),
-        "--no-peak",
+        "bench", "baseline", "--backends", "math", "tiled", "efficient", "triton",
+        "--lengths", "64", "--dtypes", "float32", "--heads", "2", "--head-size", "16",
+        "--repeats", "2", "--q-len", "16", "--window", "8", "--padding", "0.25",
+        "--output", str(output), "--no-peak",
     ]  # fmt: skip
     assert main(argv) == 0
     rows = [r for r in records.read(output) if r["kind"] == "bench"]
@@ -325,8 +341,8 @@ def test_a_worker_dies_with_its_driver(stop, tmp_path):
     records; after a SIGKILL the kernel ends the worker (parent-death signal)."""
     output = tmp_path / "bench.jsonl"
     script = (
-        "import sys; from dataclasses import replace; from octlm.bench import driver; "
-        "from octlm.bench.suites import Grid; "
+        "import sys; from dataclasses import replace; from octlm.lab.bench import driver; "
+        "from octlm.lab.bench.suites import Grid; "
         "grid = Grid(backends=('flash', 'tiled'), lengths=(32,), heads=2, head_sizes=(16,), "
         "repeats=1); "
         f"sys.exit(driver.run(grid.measurements(), {str(output)!r}, peak=False))"
@@ -429,7 +445,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
         return 0
 
     monkeypatch.setattr(driver, "run", run)
-    assert main(["bench", "--suite", "structure", "--lengths", "512", "--block", "64"]) == 0
+    assert main(["bench", "structure", "--lengths", "512", "--block", "64"]) == 0
     [(measurements, output, options)] = calls
     assert str(output) == os.path.join("runs", "bench-structure-cpu.jsonl")
     assert options == {
@@ -439,7 +455,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
     assert {m.block for m in measurements if m.backend == "tiled"} == {(64, 64)}
     assert {m.length for m in measurements} == {512}
     calls.clear()
-    assert main(["bench", "--suite", "seed", "--lengths", "64", "--busy", "--rounds", "3"]) == 0
+    assert main(["bench", "seed", "--lengths", "64", "--busy", "--rounds", "3"]) == 0
     [(measurements, output, options)] = calls
     assert str(output) == os.path.join("runs", "bench-baseline-cpu.jsonl")
     assert options["rounds"] == 3 and {m.busy for m in measurements} == {False, True}
@@ -460,7 +476,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
 )
 def test_bad_options_exit_2_and_name_the_option(argv, named, capsys, monkeypatch):
     monkeypatch.setattr(driver, "_spawn", launched)
-    assert main(["bench", "--lengths", "32", *argv]) == 2
+    assert main(["bench", "baseline", "--lengths", "32", *argv]) == 2
     assert named in capsys.readouterr().err
 
 
@@ -475,7 +491,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_measurement(
     monkeypatch.setattr(driver, "_probe", launched)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    argv = ["bench", "--lengths", "32", "--output", str(blocker / "bench.jsonl")]
+    argv = ["bench", "baseline", "--lengths", "32", "--output", str(blocker / "bench.jsonl")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--output" in err and "cannot be written" in err and "Traceback" not in err
@@ -505,7 +521,7 @@ def test_ring_bench_refuses_what_it_would_not_measure(argv, named, tmp_path, cap
     assert not (tmp_path / "ring.jsonl").exists()
 
 
-@pytest.mark.parametrize("argv", [["bench", "--modes", "sideways"], ["report", "--nope"]])
+@pytest.mark.parametrize("argv", [["bench", "train", "--modes", "sideways"], ["report", "--nope"]])
 def test_unknown_choices_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -521,15 +537,15 @@ def test_ring_modes_are_checked_by_name(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_refused_before_any_measurement(tmp_path, capsys):
     output = tmp_path / "bench.jsonl"
-    assert main(["bench", "--suite", "cuda", "--lengths", "64", "--output", str(output)]) == 2
+    assert main(["bench", "cuda", "--lengths", "64", "--output", str(output)]) == 2
     assert "--device" in capsys.readouterr().err
     assert not output.exists()
 
 
 def test_the_sketch_runs_forward_only_and_matches_the_reference():
     from octlm.attention import naive_attention
-    from octlm.bench.sketch import sketch_attention
-    from octlm.bench.worker import measure
+    from octlm.lab.bench.sketch import sketch_attention
+    from octlm.lab.bench.worker import measure
 
     forward, train = tiny("sketch", modes=("forward", "train"))
     assert measure(forward)["status"] == "ok"
@@ -544,8 +560,8 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     """The CUDA path's logic, on a machine without one: torch.cuda stands in, and the probes
     must reset the peak before the call, read max_memory_allocated after, never RSS, and the
     timer must synchronise on both sides of the step."""
-    from octlm.bench import memory
-    from octlm.bench.timing import device_fence, time_calls
+    from octlm import memory
+    from octlm.lab.bench.timing import device_fence, time_calls
 
     calls = []
     fake = {
@@ -573,7 +589,7 @@ def test_extra_memory_is_the_workers_own_even_from_a_large_driver(tmp_path):
     ballast = torch.ones(96 * 2**20, dtype=torch.uint8)  # the driver's resident set grows
     output = tmp_path / "bench.jsonl"
     argv = [
-        "bench", "--backends", "naive", "--lengths", "1024", "--dtypes", "float32",
+        "bench", "baseline", "--backends", "naive", "--lengths", "1024", "--dtypes", "float32",
         "--heads", "4", "--head-size", "16", "--repeats", "1", "--output", str(output),
         "--no-peak",
     ]  # fmt: skip

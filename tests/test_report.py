@@ -15,15 +15,16 @@ from unittest.mock import ANY
 import pytest
 import torch
 
-from octlm import records, verify
-from octlm.bench.suites import Grid, key_of
-from octlm.bench.worker import make_record
+from octlm import records
 from octlm.cli import main
-from octlm.report import DEFAULT_OUTPUT, NOT_MEASURED, collect, comparison, load, write_report
-from octlm.report.baseline import HEADER as CLAIMS_HEADER
-from octlm.report.collect import busy as busy_reason
-from octlm.report.collect import latest_runs
-from octlm.report.format import BUSY_MARK
+from octlm.lab import verify
+from octlm.lab.bench.suites import Grid, key_of
+from octlm.lab.bench.worker import make_record
+from octlm.lab.report import DEFAULT_OUTPUT, NOT_MEASURED, collect, comparison, load, write_report
+from octlm.lab.report.baseline import HEADER as CLAIMS_HEADER
+from octlm.lab.report.collect import busy as busy_reason
+from octlm.lab.report.collect import latest_runs
+from octlm.lab.report.format import BUSY_MARK
 
 # Synthetic records of the baseline, train and structure suites
 # (tests/fixtures/make_bench_records.py).
@@ -199,8 +200,8 @@ def test_missing_data_reads_not_measured(tmp_path):
     text = write_report([only_flash], tmp_path / "report.md").read_text()
     assert NOT_MEASURED not in text  # a figure without records is named with its command:
     lacking = "No records of: MATH memory per doubling of length; FLASH speed-up over MATH"
-    assert f"{lacking}" in text and "(`octlm bench --suite baseline`)" in text
-    for command in ("octlm verify", "octlm bench --suite ring"):
+    assert f"{lacking}" in text and "(`octlm bench baseline`)" in text
+    for command in ("octlm verify", "octlm bench ring"):
         assert f"No records yet (`{command}`)" in text  # one line for a whole section
 
 
@@ -347,12 +348,12 @@ def test_structure_targets_judge_only_the_length_they_are_set_for(tmp_path):
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
-    import octlm.report
+    import octlm.lab.report
 
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(octlm.report, "write_report", interrupted)
+    monkeypatch.setattr(octlm.lab.report, "write_report", interrupted)
     assert main(["report", str(FIXTURE), "--output", str(tmp_path / "r.md")]) == 130
     assert capsys.readouterr().err == "octlm report: interrupted\n"
 
@@ -665,12 +666,12 @@ def test_the_route_table_divides_auto_by_the_faster_path_of_each_round(tmp_path)
 def test_the_route_table_says_not_measured_without_auto_beside_both_paths(tmp_path):
     found = [routed("auto", 0.5, 1), routed("flash", 0.4, 1)]  # no tiled in the round
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert "No round measured auto beside FLASH and tiled (`octlm bench --suite route`)" in text
+    assert "No round measured auto beside FLASH and tiled (`octlm bench route`)" in text
 
 
 def stepped(attention: str, tokens_per_second: float, round: int, length: int = 1024,
             packed: bool = False) -> dict:  # fmt: skip
-    """A ``train-attention`` record as ``octlm bench --suite training --what attention``
+    """A ``train-attention`` record as ``octlm bench training --what attention``
     writes it."""
     return records.make("check", "train-attention", MACHINE, run="t") | {
         "attention": attention, "length": length, "packed": packed, "dtype": "float32",
