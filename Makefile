@@ -28,31 +28,33 @@ verify: $(VENV)/.installed
 	$(PY) -m octlm verify --quick --out $(RUNS)
 
 bench: $(VENV)/.installed
-	$(PY) -m octlm bench --suite baseline --output $(RUNS)/bench-baseline-cpu.jsonl
+	$(PY) -m octlm bench baseline --output $(RUNS)/bench-baseline-cpu.jsonl
 
-# One round of the baseline grid (backends alternating, one process each) after the matmul
-# probe; --resume keeps what an earlier `make report` measured.
+# One round of the baseline suite (backends alternating, one process each) after the matmul
+# probe: the baseline's shape in minutes on 2 cores (naive and the sketch at 8,192 tokens and
+# naive in bfloat16 are left to `make reference`); --resume keeps what an earlier run measured.
 report: $(VENV)/.installed
 	$(PY) -m octlm verify --quick --out $(RUNS)
-	$(PY) -m octlm bench --suite baseline --resume --output $(RUNS)/bench-baseline-cpu.jsonl
+	$(PY) -m octlm bench baseline --resume --output $(RUNS)/bench-baseline-cpu.jsonl
 	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/*.jsonl
 
-# The reference figures README quotes: every CPU suite, the baseline and training grids in
-# three rounds, and FLASH against tiled beside a competing process (--busy). About an hour on
-# 2 cores.
+# The reference figures README quotes: every CPU suite, the whole baseline grid and the
+# training grid in three rounds, and FLASH against tiled beside a competing process (--busy).
+# About an hour on 2 cores; the last line writes the committed runs/report.md.
 reference: $(VENV)/.installed
 	$(PY) -m octlm verify --out runs
-	$(PY) -m octlm bench --suite baseline --resume --rounds 3
-	$(PY) -m octlm bench --suite train --resume --rounds 3
-	$(PY) -m octlm bench --suite structure --resume
-	$(PY) -m octlm bench --suite route --resume --rounds 3
-	$(PY) -m octlm bench --suite training --what attention --attention sdpa tiled auto \
+	$(PY) -m octlm bench reference --resume --rounds 3 \
+		--output runs/bench-baseline-cpu.jsonl
+	$(PY) -m octlm bench train --resume --rounds 3
+	$(PY) -m octlm bench structure --resume
+	$(PY) -m octlm bench route --resume --rounds 3
+	$(PY) -m octlm bench training --what attention --attention sdpa tiled auto \
 		--lengths 256 1024 4096 --packing off on --dtypes float32 --rounds 3
-	$(PY) -m octlm bench --backends flash tiled --lengths 8192 --busy --rounds 3 --resume \
+	$(PY) -m octlm bench baseline --backends flash tiled --lengths 8192 --busy --rounds 3 --resume \
 		--output runs/bench-contention-cpu.jsonl
-	$(PY) -m octlm.bench.ring
-	$(PY) -m octlm.bench.ring --length 32768 --repeats 2
-	$(PY) -m octlm report
+	$(PY) -m octlm.lab.bench.ring
+	$(PY) -m octlm.lab.bench.ring --length 32768 --repeats 2
+	$(PY) -m octlm report --output runs/report.md
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples

@@ -28,8 +28,8 @@ from collections import defaultdict
 import torch
 
 from octlm import records
-from octlm.bench import memory
-from octlm.bench.timing import time_calls
+from octlm.lab.bench import memory
+from octlm.lab.bench.timing import time_calls
 
 EXPERIMENT = "transformers-llama"
 # A small Llama: 2 layers, width 256, 4 query heads of 64 sharing 2 key/value heads.

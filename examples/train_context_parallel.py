@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from octlm.context_parallel import context_parallel_loss, reduce_gradients
+from octlm.lab.verify.loss_curve import load_text
 from octlm.model import ModelConfig, OctLM
-from octlm.verify.loss_curve import load_text
 
 
 def main() -> None:

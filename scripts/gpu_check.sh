@@ -14,6 +14,6 @@ print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' || e
 status=0
 "$PYTHON" -m pytest -q -ra --durations=10 tests/test_triton.py 2>&1 | tee "$OUT/gpu-tests.log" ||
     status=1
-"$PYTHON" -m octlm bench --suite cuda --output "$OUT/bench-cuda.jsonl" "$@" 2>&1 |
+"$PYTHON" -m octlm bench cuda --output "$OUT/bench-cuda.jsonl" "$@" 2>&1 |
     tee "$OUT/gpu-bench.log" || status=1
 exit "$status"

@@ -1,4 +1,5 @@
-"""Fail when the modules of ``src/octlm`` import each other in a cycle.
+"""Fail when the modules of ``src/octlm`` import each other in a cycle, or the product imports
+the lab.
 
 Reads every module with ``ast`` (nothing is imported, so it runs without torch) and counts every
 ``import`` statement: at the top, inside functions and under ``TYPE_CHECKING`` alike, since
@@ -6,7 +7,10 @@ each one ties the two files together for a reader. ``from package import name`` 
 submodule when ``name`` is one, else at the package's ``__init__``. A parent package that
 Python initialises on the way to a submodule is not an edge of its own.
 
-    python scripts/import_cycles.py [SRC]     # exit 0, or 1 and every cycle
+The lab (``octlm.lab``: benchmarks, report, verify) may import the product; no module outside
+it may import the lab, but the command line (:data:`DOORS`), which is the door to both.
+
+    python scripts/import_cycles.py [SRC]     # exit 0, or 1 and every cycle or lab import
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
+
+LAB = "octlm.lab"
+# The modules outside the lab that may import it: the command line reaches the lab's verbs.
+DOORS = ("octlm.cli", "octlm.__main__")
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -75,6 +83,20 @@ def knots(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def lab_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(module, lab module)`` for every import of the lab from outside it."""
+
+    def in_lab(name: str) -> bool:
+        return name == LAB or name.startswith(LAB + ".")
+
+    return sorted(
+        (name, target)
+        for name, targets in graph.items()
+        for target in targets
+        if in_lab(target) and not in_lab(name) and name not in DOORS
+    )
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "src"
     known = modules(root)
@@ -82,7 +104,10 @@ def main(argv: list[str]) -> int:
     found = knots(graph)
     for component in found:
         print("import cycle among: " + ", ".join(component), file=sys.stderr)
-    if found:
+    crossing = lab_imports(graph)
+    for name, target in crossing:
+        print(f"{name} imports the lab: {target}", file=sys.stderr)
+    if found or crossing:
         return 1
     edges = sum(len(targets) for targets in graph.values())
     print(f"no import cycle among {len(known)} modules ({edges} imports)")

@@ -20,13 +20,14 @@ import torch
 
 from octlm import records
 from octlm.attention.tiled.options import DEFAULT_BLOCK
-from octlm.bench import driver, ring, worker
-from octlm.bench.suites import FEATURES, Grid, Measurement, suite
-from octlm.bench.worker import FAULT_ENV
 from octlm.cli import main
+from octlm.lab.bench import driver, ring, worker
+from octlm.lab.bench.suites import FEATURES, Grid, Measurement, suite
+from octlm.lab.bench.worker import FAULT_ENV, FAULT_READY_ENV
 
 # docs/design.md §5: the common fields, the benchmark record, and the fields added since.
-COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu"]
+COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu", "cpus"]
+COMMON += ["cpu_flags", "memory_bytes"]  # the machine, so that reports keep machines apart
 BENCHMARK = [
     "backend", "mode", "dtype", "batch", "heads", "kv_heads", "head_size", "length", "causal",
     "window", "block", "status", "reason", "repeats", "seconds_median", "seconds_iqr",
@@ -68,7 +69,8 @@ def measured(m, probe, **where) -> dict:
 
 
 def children(pid: int) -> dict[int, str]:
-    """Living child processes of ``pid``: their command lines, by pid (Linux /proc)."""
+    """Living child processes of ``pid``: their command lines, by pid (Linux /proc). A child
+    just started may not show its command line yet: poll, or wait on a signal of its own."""
     found = {}
     for entry in Path("/proc").iterdir():
         try:
@@ -93,10 +95,10 @@ def alive(pid: int) -> bool:
 def test_each_measurement_has_its_own_worker_and_a_full_record(tmp_path):
     output = tmp_path / "bench.jsonl"
     argv = [
-        "bench", "--backends", "math", "tiled", "efficient", "triton", "--lengths", "64",
-        "--dtypes", "float32", "--heads", "2", "--head-size", "16", "--repeats", "2",
-        "--q-len", "16", "--window", "8", "--padding", "0.25", "--output", str(output),
-        "--no-peak",
+        "bench", "baseline", "--backends", "math", "tiled", "efficient", "triton",
+        "--lengths", "64", "--dtypes", "float32", "--heads", "2", "--head-size", "16",
+        "--repeats", "2", "--q-len", "16", "--window", "8", "--padding", "0.25",
+        "--output", str(output), "--no-peak",
     ]  # fmt: skip
     assert main(argv) == 0
     rows = [r for r in records.read(output) if r["kind"] == "bench"]
@@ -152,9 +154,9 @@ def test_a_sigkill_is_called_oom_only_when_the_oom_killer_acted(monkeypatch):
     assert driver._killed(signal.SIGTERM, 3) == ("killed", "worker killed by SIGTERM")
 
 
-def test_a_worker_past_its_timeout_is_killed_and_recorded(tmp_path, fake_probe):
+def test_a_worker_past_its_timeout_is_killed_and_recorded(tmp_path, fake_probe, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "sleep:flash,sleep:tiled")  # neither ever finishes
     output = tmp_path / "bench.jsonl"
-    # No worker imports torch in a tenth of a second: both time out, and both are recorded.
     assert driver.run(tiny("flash", "tiled"), output, timeout=0.1, peak=False) == 0
     rows = list(records.read(output))
     assert [r["status"] for r in rows] == ["timeout", "timeout"]
@@ -199,7 +201,8 @@ def test_an_output_is_checked_by_opening_it(tmp_path):
     assert not fresh.exists()  # the check leaves nothing behind
 
 
-def test_a_peak_probe_past_the_timeout_is_a_clear_error():
+def test_a_peak_probe_past_the_timeout_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "sleep:peak")  # the probe never finishes
     with pytest.raises(RuntimeError, match=r"took longer than --timeout 0\.01 s"):
         driver._peak("x", "r", False, 0.01)
 
@@ -284,18 +287,52 @@ def test_rounds_alternate_the_backends_and_resume_counts_rounds(tmp_path, fake_p
 def test_busy_measurements_run_beside_a_competitor_that_is_stopped_after(
     tmp_path, fake_probe, monkeypatch
 ):
+    started = []
+
+    class Recorded(driver.Competitor):
+        def set(self, busy: bool) -> None:
+            super().set(busy)
+            if self.process is not None and self.process not in started:
+                started.append(self.process)
+
     seen = []
 
     def spawn(m, probe, timeout, **where):
-        competing = [pid for pid, line in children(os.getpid()).items() if "--compete" in line]
-        seen.append((m.busy, len(competing)))
+        running = [p for p in started if p.poll() is None and "--compete" in p.args]
+        seen.append((m.busy, len(running)))
         return measured(m, probe, **where)
 
+    monkeypatch.setattr(driver, "Competitor", Recorded)
     monkeypatch.setattr(driver, "_spawn", spawn)
     measurements = tiny("flash", "tiled", busy=(False, True))
     assert driver.run(measurements, tmp_path / "bench.jsonl", peak=False) == 0
     assert seen == [(False, 0), (False, 0), (True, 1), (True, 1)]
-    assert not [line for line in children(os.getpid()).values() if "--compete" in line]
+    assert len(started) == 1 and started[0].returncode == -signal.SIGKILL
+
+
+def wait_for_fault(ready: Path, process: subprocess.Popen | None = None) -> int:
+    """The pid of the first worker that reached its test fault (it writes it to ``ready``)."""
+    deadline = time.monotonic() + 300  # a hang guard, not a measurement
+    while not (ready.exists() and ready.read_text().endswith("\n")):
+        assert process is None or process.poll() is None, "the driver ended first"
+        assert time.monotonic() < deadline, "no worker reached its fault"
+        time.sleep(0.05)
+    return int(ready.read_text().split()[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_is_bound_to_its_driver_before_it_runs_a_line():
+    """The parent-death signal is set between fork and exec, so a worker that is still
+    importing torch dies with a SIGKILLed driver: the child reads it as its first act."""
+    read = (
+        "import ctypes, signal; state = ctypes.c_int(); "
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(state)); "  # PR_GET_PDEATHSIG
+        "print(signal.Signals(state.value).name if state.value else 'none')"
+    )
+    child = driver.start([sys.executable, "-S", "-c", read])
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 0, stderr
+    assert stdout.strip() == "SIGKILL"
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
@@ -304,26 +341,17 @@ def test_a_worker_dies_with_its_driver(stop, tmp_path):
     records; after a SIGKILL the kernel ends the worker (parent-death signal)."""
     output = tmp_path / "bench.jsonl"
     script = (
-        "import sys; from dataclasses import replace; from octlm.bench import driver; "
-        "from octlm.bench.suites import Grid; "
+        "import sys; from dataclasses import replace; from octlm.lab.bench import driver; "
+        "from octlm.lab.bench.suites import Grid; "
         "grid = Grid(backends=('flash', 'tiled'), lengths=(32,), heads=2, head_sizes=(16,), "
         "repeats=1); "
         f"sys.exit(driver.run(grid.measurements(), {str(output)!r}, peak=False))"
     )
-    env = {**os.environ, FAULT_ENV: "sleep:tiled"}
+    ready = tmp_path / "ready"
+    env = {**os.environ, FAULT_ENV: "sleep:tiled", FAULT_READY_ENV: str(ready)}
     process = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            sleeping = [
-                pid for pid, line in children(process.pid).items()
-                if "octlm.bench.worker" in line and '"tiled"' in line
-            ]  # fmt: skip
-            if sleeping:
-                break
-            assert process.poll() is None and time.monotonic() < deadline, "no tiled worker"
-            time.sleep(0.1)
-        [worker] = sleeping
+        worker = wait_for_fault(ready, process)
         process.send_signal(stop)
         process.communicate(timeout=60)
         deadline = time.monotonic() + 30
@@ -338,7 +366,9 @@ def test_a_worker_dies_with_its_driver(stop, tmp_path):
 
 
 def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, monkeypatch):
+    ready = tmp_path / "ready"
     monkeypatch.setenv(FAULT_ENV, "sleep:tiled")
+    monkeypatch.setenv(FAULT_READY_ENV, str(ready))
     workers = []
 
     class Recorded(subprocess.Popen):
@@ -349,9 +379,7 @@ def test_ctrl_c_kills_the_worker_and_keeps_finished_lines(tmp_path, fake_probe, 
     returned = threading.Event()
 
     def press_ctrl_c():
-        while len(workers) < 2 and not returned.is_set():  # flash is done; tiled sleeps
-            time.sleep(0.1)
-        time.sleep(0.5)
+        wait_for_fault(ready)  # flash is done; tiled sleeps, its driver waiting on it
         if not returned.is_set():  # never interrupt pytest itself
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -417,7 +445,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
         return 0
 
     monkeypatch.setattr(driver, "run", run)
-    assert main(["bench", "--suite", "structure", "--lengths", "512", "--block", "64"]) == 0
+    assert main(["bench", "structure", "--lengths", "512", "--block", "64"]) == 0
     [(measurements, output, options)] = calls
     assert str(output) == os.path.join("runs", "bench-structure-cpu.jsonl")
     assert options == {
@@ -427,7 +455,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
     assert {m.block for m in measurements if m.backend == "tiled"} == {(64, 64)}
     assert {m.length for m in measurements} == {512}
     calls.clear()
-    assert main(["bench", "--suite", "seed", "--lengths", "64", "--busy", "--rounds", "3"]) == 0
+    assert main(["bench", "seed", "--lengths", "64", "--busy", "--rounds", "3"]) == 0
     [(measurements, output, options)] = calls
     assert str(output) == os.path.join("runs", "bench-baseline-cpu.jsonl")
     assert options["rounds"] == 3 and {m.busy for m in measurements} == {False, True}
@@ -448,7 +476,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
 )
 def test_bad_options_exit_2_and_name_the_option(argv, named, capsys, monkeypatch):
     monkeypatch.setattr(driver, "_spawn", launched)
-    assert main(["bench", "--lengths", "32", *argv]) == 2
+    assert main(["bench", "baseline", "--lengths", "32", *argv]) == 2
     assert named in capsys.readouterr().err
 
 
@@ -463,7 +491,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_measurement(
     monkeypatch.setattr(driver, "_probe", launched)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    argv = ["bench", "--lengths", "32", "--output", str(blocker / "bench.jsonl")]
+    argv = ["bench", "baseline", "--lengths", "32", "--output", str(blocker / "bench.jsonl")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--output" in err and "cannot be written" in err and "Traceback" not in err
@@ -493,7 +521,7 @@ def test_ring_bench_refuses_what_it_would_not_measure(argv, named, tmp_path, cap
     assert not (tmp_path / "ring.jsonl").exists()
 
 
-@pytest.mark.parametrize("argv", [["bench", "--modes", "sideways"], ["report", "--nope"]])
+@pytest.mark.parametrize("argv", [["bench", "train", "--modes", "sideways"], ["report", "--nope"]])
 def test_unknown_choices_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -509,15 +537,15 @@ def test_ring_modes_are_checked_by_name(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_refused_before_any_measurement(tmp_path, capsys):
     output = tmp_path / "bench.jsonl"
-    assert main(["bench", "--suite", "cuda", "--lengths", "64", "--output", str(output)]) == 2
+    assert main(["bench", "cuda", "--lengths", "64", "--output", str(output)]) == 2
     assert "--device" in capsys.readouterr().err
     assert not output.exists()
 
 
 def test_the_sketch_runs_forward_only_and_matches_the_reference():
     from octlm.attention import naive_attention
-    from octlm.bench.sketch import sketch_attention
-    from octlm.bench.worker import measure
+    from octlm.lab.bench.sketch import sketch_attention
+    from octlm.lab.bench.worker import measure
 
     forward, train = tiny("sketch", modes=("forward", "train"))
     assert measure(forward)["status"] == "ok"
@@ -532,8 +560,8 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     """The CUDA path's logic, on a machine without one: torch.cuda stands in, and the probes
     must reset the peak before the call, read max_memory_allocated after, never RSS, and the
     timer must synchronise on both sides of the step."""
-    from octlm.bench import memory
-    from octlm.bench.timing import device_fence, time_calls
+    from octlm import memory
+    from octlm.lab.bench.timing import device_fence, time_calls
 
     calls = []
     fake = {
@@ -561,7 +589,7 @@ def test_extra_memory_is_the_workers_own_even_from_a_large_driver(tmp_path):
     ballast = torch.ones(96 * 2**20, dtype=torch.uint8)  # the driver's resident set grows
     output = tmp_path / "bench.jsonl"
     argv = [
-        "bench", "--backends", "naive", "--lengths", "1024", "--dtypes", "float32",
+        "bench", "baseline", "--backends", "naive", "--lengths", "1024", "--dtypes", "float32",
         "--heads", "4", "--head-size", "16", "--repeats", "1", "--output", str(output),
         "--no-peak",
     ]  # fmt: skip

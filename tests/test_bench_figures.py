@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from octlm.bench import timing, worker
-from octlm.bench.suites import Grid
+from octlm.lab.bench import timing, worker
+from octlm.lab.bench.suites import Grid
 
 TICK = 0.25  # seconds the fake clock moves at every reading
 

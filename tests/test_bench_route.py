@@ -1,4 +1,4 @@
-"""``octlm bench --suite route``: attention="auto" beside SDPA's FLASH kernel and tiled on every
+"""``octlm bench route``: attention="auto" beside SDPA's FLASH kernel and tiled on every
 case of its rule, and an auto record that says which path it took."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from octlm.bench.suites import Grid, suite
-from octlm.bench.worker import measure
+from octlm.lab.bench.suites import Grid, suite
+from octlm.lab.bench.worker import measure
 
 TINY = Grid(backends=("auto",), lengths=(32,), heads=2, head_sizes=(16,), repeats=1)
 

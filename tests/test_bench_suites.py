@@ -1,6 +1,8 @@
 """The named suites measure what their readers need, and the program suites (decode, documents,
-ring, training) run as ``octlm bench --suite NAME`` with options of their own."""
+ring, training) run as ``octlm bench NAME`` with options of their own."""
 
+import argparse
+import importlib
 import re
 from collections import defaultdict
 from dataclasses import replace
@@ -10,10 +12,10 @@ import pytest
 import torch
 
 from octlm import records
-from octlm.bench import worker
-from octlm.bench.suites import FEATURES, PROGRAMS, SUITES, suite
 from octlm.cli import main
-from octlm.report.claims import baseline_rows
+from octlm.lab.bench import worker
+from octlm.lab.bench.suites import ALIASES, FEATURES, PROGRAMS, SUITES, suite
+from octlm.lab.report.baseline import baseline_rows
 
 CONTEXT = {"torch": "x", "device": "cpu", "threads": 1, "host_cpu": "test"}
 
@@ -68,13 +70,32 @@ def test_the_structure_suite_covers_every_feature_and_structural_rule_in_both_mo
 
 
 def test_every_suite_the_makefile_names_exists():
-    named = re.findall(r"--suite (\S+)", (Path(__file__).parents[1] / "Makefile").read_text())
-    assert named and set(named) <= {*SUITES, *PROGRAMS, "seed"}
+    named = re.findall(r"octlm bench (\S+)", (Path(__file__).parents[1] / "Makefile").read_text())
+    assert named and set(named) <= {*SUITES, *PROGRAMS, *ALIASES}
+
+
+@pytest.mark.parametrize("name", [*SUITES, *PROGRAMS])
+def test_every_suites_help_is_the_program_it_runs(name, capsys):
+    """``octlm bench NAME --help`` shows NAME's own options: a program suite's are those of
+    its module's parser, and no grid option; a grid suite's are the grid's."""
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", name, "--help"])
+    assert stop.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"usage: octlm bench {name} ")
+    if name in PROGRAMS:
+        own = argparse.ArgumentParser()
+        importlib.import_module(PROGRAMS[name]).add_arguments(own)
+        options = {option for action in own._actions for option in action.option_strings}
+        assert "--backends" not in shown and "--busy" not in shown
+    else:
+        options = {"--backends", "--lengths", "--dtypes", "--busy", "--rounds", "--resume"}
+    assert all(option in shown for option in options), options
 
 
 def test_a_program_suite_runs_under_octlm_bench_with_its_own_options(tmp_path):
     output = tmp_path / "decode.jsonl"
-    argv = ["bench", "--suite", "decode", "--contexts", "16", "--new-tokens", "2"]
+    argv = ["bench", "decode", "--contexts", "16", "--new-tokens", "2"]
     argv += ["--rounds", "1", "--repeats", "1", "--chunk", "8", "--kv-heads", "2"]
     assert main([*argv, "--output", str(output)]) == 0
     stages = {r["stage"] for r in records.read(output)}
@@ -84,15 +105,15 @@ def test_a_program_suite_runs_under_octlm_bench_with_its_own_options(tmp_path):
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--suite", "ring", "--length", "100", "--worlds", "3", "--layout", "plain"], "(100)"),
-        (["--suite=ring", "--worlds", "0"], "--worlds"),
+        (["ring", "--length", "100", "--worlds", "3", "--layout", "plain"], "(100)"),
+        (["ring", "--worlds", "0"], "--worlds"),
     ],
 )
 def test_a_program_suites_refusal_is_one_line_and_exit_2(argv, named, tmp_path, capsys):
     output = tmp_path / "out.jsonl"
     assert main(["bench", *argv, "--output", str(output)]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("octlm bench --suite ring: ") and named in line
+    assert line.startswith("octlm bench ring: ") and named in line
     assert not output.exists()
 
 
@@ -106,16 +127,16 @@ def test_a_program_suites_refusal_is_one_line_and_exit_2(argv, named, tmp_path, 
 )
 def test_a_program_suites_options_are_its_own(suite_name, argv, named, capsys):
     with pytest.raises(SystemExit) as stop:
-        main(["bench", "--suite", suite_name, *argv])
+        main(["bench", suite_name, *argv])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert f"octlm bench --suite {suite_name}" in err and named in err
+    assert f"octlm bench {suite_name}" in err and named in err
 
 
 def test_the_training_suite_alternates_the_attentions_round_by_round(tmp_path, monkeypatch):
     """Every (round, length, packing) runs each implementation once, reversed in even rounds,
     at a fixed number of tokens per step; each record says its run and round."""
-    from octlm.bench import training
+    from octlm.lab.bench import training
 
     calls = []
 
@@ -138,7 +159,7 @@ def test_the_training_suite_alternates_the_attentions_round_by_round(tmp_path, m
 
 def test_one_training_step_run_is_a_real_octlm_train_with_packed_rows(tmp_path):
     """The suite's own command trains (auto, packed rows) and reports warm steps only."""
-    from octlm.bench import training
+    from octlm.lab.bench import training
 
     corpus = training._corpus(tmp_path)
     assert len(list(corpus.rglob("*.txt"))) > 10  # many documents, for packing

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from octlm import records
-from octlm.bench import decode as bench
+from octlm.lab.bench import decode as bench
 from octlm.model import ModelConfig, OctLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,7 +76,7 @@ def test_bad_arguments_fail_in_one_line_before_measuring(tmp_path, capsys, argum
     ],
 )
 def test_documents_benchmark_refuses_bad_arguments(tmp_path, capsys, arguments, message):
-    from octlm.bench import documents
+    from octlm.lab.bench import documents
 
     arguments = [a.format(tmp=tmp_path) for a in arguments]
     with pytest.raises(SystemExit) as stop:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from octlm import KVCache, ModelConfig, OctLM
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge
+from octlm.lab.verify.loss_curve import loss_curve
 from octlm.model import document_positions
-from octlm.verify.loss_curve import loss_curve
 
 IMPLEMENTATIONS = ("naive", "sdpa", "tiled")
 # Tiny tiles, so that the tiled path really walks several blocks at these short lengths.

@@ -1,32 +1,37 @@
-"""``octlm report``: every figure from the records, "not measured" where they are silent."""
+"""``octlm report``: every figure from the records; where they are silent, the command that
+would fill them in."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
+import torch
 
-from octlm import records, verify
-from octlm.bench.suites import Grid, key_of
-from octlm.bench.worker import make_record
+from octlm import records
 from octlm.cli import main
-from octlm.report import NOT_MEASURED, claims, collect, load, write_report
-from octlm.report.claims import HEADER as CLAIMS_HEADER
-from octlm.report.collect import busy as busy_reason
-from octlm.report.collect import latest_runs
-from octlm.report.format import BUSY_MARK
+from octlm.lab import verify
+from octlm.lab.bench.suites import Grid, key_of
+from octlm.lab.bench.worker import make_record
+from octlm.lab.report import DEFAULT_OUTPUT, NOT_MEASURED, collect, comparison, load, write_report
+from octlm.lab.report.baseline import HEADER as CLAIMS_HEADER
+from octlm.lab.report.collect import busy as busy_reason
+from octlm.lab.report.collect import latest_runs
+from octlm.lab.report.format import BUSY_MARK
 
 # Synthetic records of the baseline, train and structure suites
 # (tests/fixtures/make_bench_records.py).
 FIXTURE = Path(__file__).parent / "fixtures" / "bench-records.jsonl"
 RUNS = Path(__file__).parent.parent / "runs"
 PNG = b"\x89PNG\r\n\x1a\n"
-MACHINE = {"torch": "2.13.0+cpu", "device": "cpu", "threads": 2, "host_cpu": "Test CPU"}
+MACHINE = {"torch": "2.13.0+cpu", "device": "cpu", "threads": 2, "host_cpu": "Test CPU", "cpus": 2}
 
 
 def cells(line: str) -> list[str]:
@@ -130,20 +135,24 @@ def test_report_from_fixture_has_claims_structure_and_plots(tmp_path):
     output = tmp_path / "out" / "report.md"
     assert main(["report", str(FIXTURE), "--output", str(output)]) == 0
     text = output.read_text()
-    assert "host CPU Fixture CPU, 2 threads, torch 2.13.0+cpu" in text
+    assert "- Machine: Fixture CPU, CPU count not recorded" in text and "torch 2.13.0+cpu" in text
+    assert "`cpu ×2` in the tables: cpu, 2 threads" in text
     assert any(list(found[0]) == CLAIMS_HEADER for found in tables(text))
-    notes = {claim: note for claim, note, _here in claims(load([FIXTURE]))}
-    speed_up = row(text, Claim="FLASH speed-up over MATH, float32")
-    assert speed_up["Day 2 note (laptop CPU)"] == notes["FLASH speed-up over MATH, float32"]
+    notes = {claim: note for claim, note, _here in comparison(load([FIXTURE]))}
+    speed_up = row(text, What="FLASH speed-up over MATH, float32")
+    assert speed_up["Baseline (laptop CPU)"] == notes["FLASH speed-up over MATH, float32"]
     assert shows(
-        speed_up["Here"], fixture_seconds(backend="math") / fixture_seconds(backend="flash")
+        speed_up["This machine"], fixture_seconds(backend="math") / fixture_seconds(backend="flash")
     )
-    assert speed_up["Here"].endswith("at 8,192")
+    assert speed_up["This machine"].endswith("at 8,192")
     lines = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     efficient = [r for r in lines if r.get("backend") == "efficient"]
     assert {r["status"] for r in efficient} == {"unsupported"}
-    refused = row(text, Claim="memory-efficient backend on CPU")["Here"]
-    assert refused.startswith(f"unsupported in all {len(efficient)} measurements")
+    refused = row(text, What="memory-efficient backend on CPU")["This machine"]
+    assert "No viable backend" in efficient[0]["reason"]  # torch's words, translated:
+    assert (
+        refused == f"no CPU kernel: torch has this backend for CUDA only ({len(efficient)} refused)"
+    )
     for case, want in (("window, forward", dict(window=512)), ("decode", dict(q_len=1))):
         want = {"backend": "flash", "status": "ok", "mode": "forward", **want}
         [flash] = [r for r in lines if all(r.get(k) == v for k, v in want.items())]
@@ -184,12 +193,52 @@ def test_missing_data_reads_not_measured(tmp_path):
         "".join(json.dumps(r) + "\n" for r in lines if r.get("backend") == "flash")
     )
     rows = load([only_flash])
-    table = {claim: here for claim, _note, here in claims(rows)}
+    table = {claim: here for claim, _note, here in comparison(rows)}
     assert table["MATH memory per doubling of length"] == NOT_MEASURED
     assert table["FLASH memory stays flat"].endswith("at 8,192 (1.59× per doubling)")
     assert table["memory-efficient backend on CPU"] == NOT_MEASURED
     text = write_report([only_flash], tmp_path / "report.md").read_text()
-    assert NOT_MEASURED in text
+    assert NOT_MEASURED not in text  # a figure without records is named with its command:
+    lacking = "No records of: MATH memory per doubling of length; FLASH speed-up over MATH"
+    assert f"{lacking}" in text and "(`octlm bench baseline`)" in text
+    for command in ("octlm verify", "octlm bench ring"):
+        assert f"No records yet (`{command}`)" in text  # one line for a whole section
+
+
+def test_records_of_two_machines_are_reported_apart_and_never_paired(tmp_path):
+    """FLASH measured on one machine and tiled on another: no ratio of the two anywhere."""
+    other = {**MACHINE, "host_cpu": "Other CPU", "cpus": 64}
+    found = [timed("flash", 0.5), timed("math", 5.0), {**timed("tiled", 0.6), **other}]
+    text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
+    assert "These records describe 2 machines differently" in text
+    assert "## Machine 1: Test CPU, 2 CPUs" in text and "## Machine 2: Other CPU, 64 CPUs" in text
+    assert "tiled ÷ FLASH" not in text and "math ÷ FLASH" in text
+    compared = [r["What"] for found in tables(text) for r in found if "What" in r]
+    assert "tiled against FLASH, forward float32" not in compared  # it needs both machines
+    assert sorted(p.name for p in tmp_path.glob("*.png"))[0].startswith("machine-1-")
+
+
+def test_records_carry_the_machine_they_were_made_on():
+    made = records.make("peak", "x", "cpu", gflops=1.0)
+    assert made["cpus"] == os.cpu_count() and made["torch"] == torch.__version__
+    assert records.identity(made) == records.identity(records.machine("cpu"))
+    if Path("/proc/cpuinfo").exists():
+        flags = set(made["cpu_flags"].split())
+        assert flags <= set(records.SIMD) and made["memory_bytes"] > 0
+
+
+def test_the_committed_report_is_what_octlm_report_makes_of_the_committed_records(
+    tmp_path, monkeypatch
+):
+    """runs/report.md is `octlm report --output runs/report.md` over runs/*.jsonl, exactly;
+    the command's default output is runs/local/, never the tracked file."""
+    monkeypatch.chdir(RUNS.parent)
+    output = tmp_path / "report.md"
+    assert main(["report", "--output", str(output)]) == 0
+    assert output.read_text() == (RUNS / "report.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(FIXTURE)]) == 0
+    assert DEFAULT_OUTPUT.is_file() and Path("runs/local/report.md") == DEFAULT_OUTPUT
 
 
 def test_report_without_any_records_says_so_plainly(tmp_path):
@@ -198,14 +247,18 @@ def test_report_without_any_records_says_so_plainly(tmp_path):
     text = write_report([empty], tmp_path / "report.md").read_text()
     assert f"No records in `{empty}`: nothing was measured, so this report has no figures." in text
     assert "## " not in text  # no section of empty tables
-    assert all(here == NOT_MEASURED or NOT_MEASURED in here for _c, _note, here in claims([]))
+    figures = [here for _c, _note, here in comparison([])]
+    assert all(here == NOT_MEASURED or here.endswith("no records") for here in figures)
 
 
 def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
-    """The Day 2 note's 4.8e-7 and 1.1e-6 sit beside verify's worst figures; ring rows beside
+    """The baseline's 4.8e-7 and 1.1e-6 sit beside verify's worst figures; ring rows beside
     W=1."""
     verify = tmp_path / "verify.jsonl"
+    first = json.loads(FIXTURE.read_text().splitlines()[0])
+    machine = {name: first.get(name) for name in records.MACHINE}  # the fixture's machine
     common = {"experiment": "tiled-sdpa", "dtype": "float32", "passed": True, "base_error": 0.0}
+    common.update(machine)
     checks = [
         {**common, "check": "tiled vs sdpa output", "left": "tiled", "error": 3e-7,
          "max_abs_diff": 6e-7},
@@ -215,7 +268,6 @@ def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
          "error": 1e-6, "max_abs_diff": 1.2e-6, "passed": False},
     ]  # fmt: skip
     verify.write_text("".join(json.dumps(r) + "\n" for r in checks))
-    first = json.loads(FIXTURE.read_text().splitlines()[0])
     ring = tmp_path / "bench-ring-cpu.jsonl"
     ring.write_text(
         json.dumps({**first, "kind": "ring", "backend": "ring", "world_size": 4,
@@ -231,7 +283,7 @@ def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
     ):
         mine = [c for c in checks if c["left"] == left and c["experiment"] == experiment]
         found = [r for t in tables(text) for r in t if r.get("Check", "").startswith(check)]
-        [here] = [r["Here"] for r in found]
+        [here] = [r["This machine"] for r in found]
         worst = max(c["max_abs_diff"] for c in mine)
         passed = sum(c["passed"] for c in mine)
         assert shown(here) == worst and here.endswith(f"({passed}/{len(mine)} pass)")
@@ -278,6 +330,8 @@ def test_a_missing_records_file_is_a_clear_error(where, tmp_path, capsys):
     assert main(["report", str(tmp_path / where), "--output", str(tmp_path / "r.md")]) == 2
     err = capsys.readouterr().err
     assert "octlm report: no records file" in err and where in err and "Traceback" not in err
+    if where == "folder":
+        assert "metrics.jsonl" in err  # a folder is read as a training run's
 
 
 def test_structure_targets_judge_only_the_length_they_are_set_for(tmp_path):
@@ -294,12 +348,12 @@ def test_structure_targets_judge_only_the_length_they_are_set_for(tmp_path):
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
-    import octlm.report
+    import octlm.lab.report
 
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(octlm.report, "write_report", interrupted)
+    monkeypatch.setattr(octlm.lab.report, "write_report", interrupted)
     assert main(["report", str(FIXTURE), "--output", str(tmp_path / "r.md")]) == 130
     assert capsys.readouterr().err == "octlm report: interrupted\n"
 
@@ -343,7 +397,7 @@ def test_records_of_two_thread_counts_are_two_measurements_never_a_pair(tmp_path
     ).read_text()
     assert ": 3 benchmark measurements" in text
     assert "**cpu ×2, forward, float32**" in text and "**cpu ×1, forward, float32**" in text
-    against = row(text, Claim="tiled against FLASH, forward float32")["Here"]
+    against = row(text, What="tiled against FLASH, forward float32")["This machine"]
     assert against.startswith("time ") and shows(against.split()[1], 0.6 / 0.5)  # 2 threads
 
 
@@ -371,7 +425,7 @@ def test_measurements_on_a_busy_machine_are_flagged(tmp_path):
         records.make("peak", "test", MACHINE, run="r", gflops=40.0, load_before=3.0, cpus=2),
     ]
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert "2 of 3 idle measurements (rounds counted one by one) were taken" in text
+    assert "2 of 3 measurements (rounds counted one by one) ran while other processes" in text
     every = row(text, length="8,192")
     for record in found[:3]:
         flagged = busy_reason(record) is not None
@@ -429,22 +483,53 @@ def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):
     assert over_rounds(judged["tiled busy ÷ idle"], tiled)
 
 
-def test_a_training_runs_metrics_become_a_table(tmp_path):
+def test_a_training_run_folder_gets_a_training_report(tmp_path):
+    """The real step count (the last step, though only every 10th is logged), held-out bits
+    per byte over steps and seconds, tokens/s, the configuration and the loss curve."""
+    run = tmp_path / "run"
+    run.mkdir()
     metrics = [
-        {"kind": "train_step", "step": step, "loss": 5.0 - step / 100, "lr": 1e-3,
-         "tokens_per_second": 1000.0 + step, "grad_norm": 0.5}
-        for step in range(1, 101)
-    ] + [{"kind": "eval", "step": 100, "val_loss": 4.25, "val_bits_per_byte": 1.5}]  # fmt: skip
-    path = write(tmp_path / "metrics.jsonl", metrics)
-    text = write_report([path], tmp_path / "report.md").read_text()
-    assert "## Training run" in text
-    assert "100 steps, 1 evaluations; median 1,050 tokens/s." in text
-    last, evaluation = metrics[-2], metrics[-1]
-    step = row(text, Step="100")
-    assert shown(step["Loss"]) == last["loss"] and shown(step["Learning rate"]) == last["lr"]
-    assert shown(step["Grad norm"]) == last["grad_norm"]
-    assert shown(step["Val loss"]) == evaluation["val_loss"]
-    assert shown(step["Val bits/byte"]) == evaluation["val_bits_per_byte"]
+        {"kind": "train_step", "run": "a", "step": step, "loss": 5.0 - step / 100, "lr": 1e-3,
+         "tokens_per_second": 1000.0 + step, "grad_norm": 0.5, "train_seconds": step / 10}
+        for step in range(10, 501, 10)
+    ] + [
+        {"kind": "eval", "run": "a", "step": step, "val_loss": 4.5 - step / 1000,
+         "val_bits_per_byte": 2.0 - step / 1000, "train_seconds": step / 10}
+        for step in (250, 500)
+    ]  # fmt: skip
+    write(run / "metrics.jsonl", metrics)
+    config = {"model": {"width": 64, "window": None}, "run": {"steps": 500, "lr": 1e-3}}
+    (run / "config.json").write_text(json.dumps(config))
+    output = tmp_path / "out" / "report.md"
+    for given in (run, run / "metrics.jsonl"):
+        assert main(["report", str(given), "--output", str(output)]) == 0
+        text = output.read_text()
+        assert text.startswith("# octlm training report")
+        speeds = [m["tokens_per_second"] for m in metrics if m["kind"] == "train_step"]
+        summary = f"500 steps in 50.00 s of training; median {statistics.median(speeds):,.0f}"
+        assert summary in text and "held-out 1.5000 bits per byte at step 500" in text
+        assert "not measured" not in text and "Baseline" not in text
+        for evaluation in metrics[-2:]:
+            held = row(text, Step=f"{evaluation['step']:,}", Bits_byte=ANY)
+            assert shown(held["Bits/byte"]) == evaluation["val_bits_per_byte"]
+            assert shown(held["Training seconds"]) == evaluation["train_seconds"]
+        last = row(text, Step="500", Tokens_s=ANY)
+        assert shown(last["Loss (nats/token)"]) == metrics[49]["loss"]
+        assert row(text, Setting="model.width")["Value"] == "`64`"
+        assert "model.window" not in text  # unset
+        [picture] = output.parent.glob("*.png")
+        assert f"![{picture.name}]({picture.name})" in text
+        assert picture.read_bytes().startswith(PNG)
+
+
+def test_training_runs_and_benchmark_records_make_separate_reports(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    write(run / "metrics.jsonl", [{"kind": "train_step", "step": 1, "loss": 1.0}])
+    argv = ["report", str(run), str(FIXTURE), "--output", str(tmp_path / "r.md")]
+    assert main(argv) == 2
+    assert "make separate reports" in capsys.readouterr().err
+    assert not (tmp_path / "r.md").exists()
 
 
 def test_verify_run_twice_is_counted_once(tmp_path):
@@ -498,7 +583,7 @@ def test_ratios_pair_records_of_one_run_only(tmp_path):
     path = write(tmp_path / "b.jsonl", first + second)
     text = write_report([path], tmp_path / "r.md").read_text()
     assert "| tiled ÷ FLASH |" not in text
-    assert "no round measured FLASH beside another backend" in text
+    assert "No round measured FLASH beside another backend" in text
 
 
 def test_contention_rounds_that_never_meet_read_not_measured(tmp_path):
@@ -509,7 +594,7 @@ def test_contention_rounds_that_never_meet_read_not_measured(tmp_path):
     growth = row(text, Shape="cpu ×2 forward float32 8,192")
     assert over_rounds(growth["tiled busy ÷ idle"], [1.8 / 0.6])
     assert over_rounds(growth["FLASH busy ÷ idle"], [0.8 / 0.4])
-    assert growth["tiled growth ÷ FLASH growth"] == NOT_MEASURED
+    assert growth["tiled growth ÷ FLASH growth"] == "—"
 
 
 def test_a_busy_round_marks_the_median_it_joins(tmp_path):
@@ -581,12 +666,12 @@ def test_the_route_table_divides_auto_by_the_faster_path_of_each_round(tmp_path)
 def test_the_route_table_says_not_measured_without_auto_beside_both_paths(tmp_path):
     found = [routed("auto", 0.5, 1), routed("flash", 0.4, 1)]  # no tiled in the round
     text = write_report([write(tmp_path / "b.jsonl", found)], tmp_path / "report.md").read_text()
-    assert f"{NOT_MEASURED}: no round measured auto beside FLASH and tiled" in text
+    assert "No round measured auto beside FLASH and tiled (`octlm bench route`)" in text
 
 
 def stepped(attention: str, tokens_per_second: float, round: int, length: int = 1024,
             packed: bool = False) -> dict:  # fmt: skip
-    """A ``train-attention`` record as ``octlm bench --suite training --what attention``
+    """A ``train-attention`` record as ``octlm bench training --what attention``
     writes it."""
     return records.make("check", "train-attention", MACHINE, run="t") | {
         "attention": attention, "length": length, "packed": packed, "dtype": "float32",

@@ -75,10 +75,10 @@ def test_verify_stops_with_its_finished_records(tmp_path):
 @pytest.mark.parametrize(
     "command, signum",
     [
-        (["-m", "octlm", "bench", "--suite", "decode"], signal.SIGTERM),
-        (["-m", "octlm.bench.decode"], signal.SIGHUP),
+        (["-m", "octlm", "bench", "decode"], signal.SIGTERM),
+        (["-m", "octlm.lab.bench.decode"], signal.SIGHUP),
     ],
-    ids=["octlm bench --suite decode, SIGTERM", "the alias, SIGHUP"],
+    ids=["octlm bench decode, SIGTERM", "the alias, SIGHUP"],
 )
 def test_the_decode_suite_and_its_alias_stop_with_their_records(command, signum, tmp_path):
     output = tmp_path / "decode.jsonl"
@@ -95,7 +95,7 @@ def test_the_decode_suite_and_its_alias_stop_with_their_records(command, signum,
 
 def test_the_training_suite_stops_its_octlm_train_child_and_removes_its_scratch(tmp_path):
     output = tmp_path / "training.jsonl"
-    argv = ["-m", "octlm", "bench", "--suite", "training", "--what", "attention"]
+    argv = ["-m", "octlm", "bench", "training", "--what", "attention"]
     argv += ["--lengths", "16", "--steps", "100000", "--dtypes", "float32", "--output", str(output)]
     process = start(argv, tmp_path)
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import octlm.attention.tiled.attention
-from octlm import cli, verify
-from octlm.verify.structure import STRUCTURES
+from octlm import cli
+from octlm.lab import verify
+from octlm.lab.verify.structure import STRUCTURES
 
 FIELDS = {
     # every record (records.make)

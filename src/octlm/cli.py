@@ -1,9 +1,10 @@
-"""``octlm verify | bench | report | train | sample``: argument parsing only; the work is in the
-library."""
+"""``octlm verify | bench | report | train | sample | export``: argument parsing only; the work
+is in the library."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import signal
 import sys
@@ -11,7 +12,7 @@ import sys
 
 def _verify_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm verify``: where records go, how much to run, on what."""
-    from octlm import verify
+    from octlm.lab import verify
 
     parser.description = (
         "Check every attention implementation against float64 naive attention (docs/design.md "
@@ -62,32 +63,39 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
-    """Options of ``octlm bench``: a named suite, and options that override its grid."""
-    from octlm.bench.suites import (
-        ALIASES,
-        BACKENDS,
-        DTYPES,
-        FEATURES,
-        GRID_OPTIONS,
-        MODES,
-        PROGRAMS,
-        SUITES,
-    )
+    """``octlm bench SUITE``: one subcommand per suite, each the program it runs. A grid
+    suite takes the grid options (:func:`_grid_options`); a program suite, its module's own
+    (:data:`octlm.lab.bench.suites.PROGRAMS`)."""
+    from octlm.lab.bench.suites import ALIASES, PROGRAMS, SUITES, SUMMARIES
 
     parser.description = (
-        "Run every measurement of a suite in its own process and append one record per "
-        "measurement, in rounds that alternate the backends. Grid options replace the suite's "
-        f"value in all of its grids. The suites {', '.join(PROGRAMS)} are programs with "
-        "options of their own: octlm bench --suite NAME --help."
+        "Run a suite of measurements, each in its own process, and append one record per "
+        "measurement. `octlm bench SUITE --help` tells a suite's options."
     )
-    parser.add_argument(
-        "--suite",
-        choices=[*SUITES, *PROGRAMS, *ALIASES],
-        default="baseline",
-        metavar="{" + ",".join([*SUITES, *PROGRAMS]) + "}",
-        help="named suite (default: baseline, SDPA MATH vs FLASH and the sketch on the "
-        "reference grid)",
-    )
+    suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name in SUITES:
+        aliases = [alias for alias, target in ALIASES.items() if target == name]
+        suite = suites.add_parser(name, aliases=aliases, help=SUMMARIES[name])
+        suite.description = (
+            f"{SUMMARIES[name].capitalize()}: every measurement in its own process, one record "
+            "each, in rounds that alternate the backends. Grid options replace the suite's "
+            "value in all of its grids."
+        )
+        _grid_options(suite, name)
+        suite.set_defaults(parser=suite)
+    for name, module in PROGRAMS.items():
+        program = importlib.import_module(module)
+        summary = program.__doc__.splitlines()[0]
+        suite = suites.add_parser(name, help=summary, description=summary)
+        program.add_arguments(suite)
+        run = functools.partial(program.execute, parser=suite)
+        suite.set_defaults(run=run, exits={}, parser=suite)
+
+
+def _grid_options(parser: argparse.ArgumentParser, name: str) -> None:
+    """Options of a grid suite ``name``: grid overrides, rounds, output."""
+    from octlm.lab.bench.suites import BACKENDS, DTYPES, FEATURES, GRID_OPTIONS, MODES
+
     grid = parser.add_argument_group("grid (default: the suite's)")
     grid.add_argument(
         "--backends",
@@ -171,7 +179,7 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds per measurement before its worker is killed (default 600)",
     )
-    parser.add_argument("--output", help="records file (default runs/bench-SUITE-DEVICE.jsonl)")
+    parser.add_argument("--output", help=f"records file (default runs/bench-{name}-DEVICE.jsonl)")
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -179,13 +187,11 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     )
 
     def run(args: argparse.Namespace) -> int:
-        from octlm.bench.driver import bench
+        from octlm.lab.bench.driver import bench
 
-        if args.suite in PROGRAMS:  # reached only through an abbreviated --suite
-            raise ValueError(f"write --suite {args.suite} in full: it takes its own options")
-        grid_options = {name: getattr(args, name) for name in GRID_OPTIONS}
+        grid_options = {option: getattr(args, option) for option in GRID_OPTIONS}
         return bench(
-            args.suite,
+            name,
             output=args.output,
             timeout=args.timeout,
             resume=args.resume,
@@ -201,23 +207,25 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 def _report_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm report``: which records, and where the Markdown and plots go."""
     parser.description = (
-        "Tables and plots from records: the baseline figures beside this machine's, ratios "
-        "within rounds and under contention, equivalence, the structure cases, ring attention, "
-        "a training run's metrics, and every plain measurement."
+        "Tables and plots from records: this machine's figures beside the baseline's, ratios "
+        "within rounds and under contention, equivalence, the structure cases, auto's route, "
+        "ring attention, training steps, and every plain measurement; records of different "
+        "machines reported apart. Given a training run's folder (or its metrics.jsonl): that "
+        "run's report (loss curve, held-out bits per byte, tokens/s, configuration)."
     )
     parser.add_argument(
         "paths",
         nargs="*",
-        help="records files, a training run's metrics.jsonl among them (default: runs/*.jsonl)",
+        help="records files, or training run folders (default: runs/*.jsonl)",
     )
     parser.add_argument(
         "--output",
-        default="runs/report.md",
+        default="runs/local/report.md",
         help="the report; PNGs go beside it (default %(default)s)",
     )
 
     def run(args: argparse.Namespace) -> int:
-        from octlm.report import write_report
+        from octlm.lab.report import write_report
 
         print(write_report(args.paths or None, args.output))
         return 0
@@ -371,42 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     """Run one verb. An error it expects (``exits``: a bad option or input, 2 by default; a
     full disk, 1) is one line on stderr and that exit status, never a traceback; so are Ctrl-C
     (130), SIGTERM and SIGHUP (128 + the signal) where the verb does not say more itself.
-
-    ``octlm bench --suite NAME`` for a program suite (:data:`octlm.bench.suites.PROGRAMS`) is
-    that program, given the other arguments: its options are its own, not the grid's.
     """
-    from octlm.bench.guard import run_stoppable
+    from octlm.lab.bench.guard import run_stoppable
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    program = _program_suite(argv)
-    if program is not None:
-        name, rest = program
-        from octlm.bench.suites import PROGRAMS
-
-        return importlib.import_module(PROGRAMS[name]).main(
-            rest, prog=f"octlm bench --suite {name}"
-        )
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if unknown:  # said by the (sub)command that was given them, with its usage
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     exits = getattr(args, "exits", {ValueError: 2})
     kept = getattr(args, "kept", None)
-    return run_stoppable(
-        f"octlm {args.command}", lambda: args.run(args), exits, kept(args) if kept else None
-    )
-
-
-def _program_suite(argv: list[str]) -> tuple[str, list[str]] | None:
-    """``(suite, the other arguments)`` when ``argv`` is ``bench --suite NAME ...`` with a
-    program suite ``NAME``; None otherwise."""
-    if not argv or argv[0] != "bench":
-        return None
-    from octlm.bench.suites import PROGRAMS
-
-    for index, argument in enumerate(argv[1:], start=1):
-        if argument == "--suite" and index + 1 < len(argv) and argv[index + 1] in PROGRAMS:
-            return argv[index + 1], argv[1:index] + argv[index + 2 :]
-        if argument.startswith("--suite=") and argument.split("=", 1)[1] in PROGRAMS:
-            return argument.split("=", 1)[1], argv[1:index] + argv[index + 1 :]
-    return None
+    name = f"octlm {args.command}" + (f" {args.suite}" if args.command == "bench" else "")
+    return run_stoppable(name, lambda: args.run(args), exits, kept(args) if kept else None)
 
 
 if __name__ == "__main__":

@@ -241,7 +241,8 @@ def context_parallel_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> 
     """This rank's part of the mean next-token cross-entropy of ``inputs``/``targets (B, T)``.
 
     Summed over ranks it equals ``F.cross_entropy(model(inputs), targets)`` in one process,
-    with low-precision logits upcast to float32 as :func:`octlm.verify.loss_curve.loss_curve` does.
+    with low-precision logits upcast to float32 as the lab's loss curve does
+    (:func:`octlm.lab.verify.loss_curve.loss_curve`).
     """
     if targets.shape != inputs.shape:
         raise ValueError(

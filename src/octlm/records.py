@@ -2,9 +2,11 @@
 
 A run that is interrupted keeps every line it finished. Every record says what it is
 (``kind``), which run made it (``run``) and where: ``experiment``, ``time``, ``torch``,
-``device``, ``threads``, ``host_cpu``. :func:`make` builds every record, :func:`timing` every
-set of time statistics, and :func:`read` reads a file once, skipping (and counting) any line
-that is not a record of a known kind with fields of the right types.
+``device``, ``threads``, ``host_cpu``, and the rest of the machine (``cpus``, ``cpu_flags``,
+``memory_bytes``), so that figures from two machines are never set against each other.
+:func:`make` builds every record, :func:`timing` every set of time statistics, and
+:func:`read` reads a file once, skipping (and counting) any line that is not a record of a
+known kind with fields of the right types.
 
 Kinds: ``bench`` (one measurement, ``octlm bench``), ``ring`` (ring attention over several
 processes), ``peak`` (the machine's fp32 matrix-multiply rate), ``verify`` (one equivalence
@@ -28,7 +30,16 @@ from pathlib import Path
 import torch
 
 KINDS = ("bench", "ring", "peak", "verify", "train_step", "eval", "check")
-MACHINE = ("torch", "device", "threads", "host_cpu")
+MACHINE = ("torch", "device", "threads", "host_cpu", "cpus", "cpu_flags", "memory_bytes")
+# What tells two machines apart (the device and the thread count vary within one machine).
+# A record written before a field existed reads it as None: records that describe their
+# machines differently are never merged.
+IDENTITY = ("host_cpu", "cpus", "cpu_flags", "memory_bytes", "torch")
+# The CPU features that decide which kernels torch runs (x86 and Arm names, /proc/cpuinfo).
+SIMD = (
+    *("avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni"),
+    *("amx_tile", "amx_bf16", "amx_fp16", "asimd", "sve", "sve2", "bf16", "i8mm"),
+)
 NUMBER = (int, float)
 SOME_NUMBER = (int, float, type(None))  # a figure that may not have been taken
 # What a record of each kind must carry for a report to read it: field -> accepted types.
@@ -77,6 +88,50 @@ def host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> str | None:
+    """The :data:`SIMD` features this CPU has, space-separated; ``None`` where the system does
+    not say (no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    have = set(value.split())
+                    return " ".join(flag for flag in SIMD if flag in have)
+    except OSError:
+        pass
+    return None
+
+
+def memory_bytes() -> int | None:
+    """The machine's memory (MemTotal), or ``None`` where the system does not say."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # the file says kB and means KiB
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def identity(record: dict) -> tuple:
+    """The machine a record was made on, as :data:`IDENTITY` says it."""
+    return tuple(record.get(name) for name in IDENTITY)
+
+
+def describe_machine(record: dict) -> str:
+    """One line naming a record's machine, saying what it does not record."""
+    cpu, cpus, flags, memory, version = identity(record)
+    parts = [str(cpu or "CPU model not recorded")]
+    parts.append(f"{cpus} CPUs" if cpus else "CPU count not recorded")
+    features = "CPU features not recorded" if flags is None else f"features: {flags or 'none'}"
+    parts.append(features)
+    parts.append(f"{memory / 2**30:.0f} GiB memory" if memory else "memory not recorded")
+    parts.append(f"torch {version}" if version else "torch version not recorded")
+    return ", ".join(parts)
+
+
 def device_name(device: str | torch.device = "cpu") -> str:
     """``cpu``, or the CUDA device's name."""
     device = torch.device(device)
@@ -86,12 +141,16 @@ def device_name(device: str | torch.device = "cpu") -> str:
 
 
 def machine(device: str | torch.device = "cpu") -> dict:
-    """What this process runs on: torch version, device name, threads, host CPU."""
+    """What this process runs on: torch version, device name, threads, and the machine (CPU
+    model, CPU count, SIMD features, memory)."""
     return {
         "torch": torch.__version__,
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "host_cpu": host_cpu(),
+        "cpus": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
+        "memory_bytes": memory_bytes(),
     }
 
 
@@ -107,7 +166,7 @@ def context(experiment: str, where: str | torch.device | dict = "cpu") -> dict:
     a child process reported it (so a CUDA driver need not hold a context of its own)."""
     where = where if isinstance(where, dict) else machine(where)
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    return {"experiment": experiment, "time": now, **{name: where[name] for name in MACHINE}}
+    return {"experiment": experiment, "time": now, **{name: where.get(name) for name in MACHINE}}
 
 
 def make(

@@ -22,8 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from octlm import records
-from octlm.bench import memory
+from octlm import memory, records
 
 METRICS = "metrics.jsonl"
 PICTURE = "loss.png"
