@@ -58,7 +58,7 @@ def step_seconds(monkeypatch):
     """``step_seconds(s)``: from then on each optimizer step takes ``s`` seconds of a fresh
     fake clock, which it returns."""
 
-    real = loop._step
+    real = loop.Training.step
 
     def slow(seconds: float) -> Clock:
         clock = Clock()
@@ -67,7 +67,7 @@ def step_seconds(monkeypatch):
             clock.now += seconds
             return real(*args)
 
-        monkeypatch.setattr(loop, "_step", step)
+        monkeypatch.setattr(loop.Training, "step", step)
         return clock
 
     return slow

@@ -174,6 +174,18 @@ def parse_device(text: str) -> torch.device:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {text!r}") from None
 
 
+def local_device(text: str) -> torch.device:
+    """The device ``text`` names on this machine, with an index for CUDA (the current one when
+    none is given); a ValueError when it is malformed or CUDA is not there."""
+    device = parse_device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {text!r}: this machine or torch build has no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def parameter_count(config: ModelConfig) -> int:
     """Parameters of ``OctLM(config)``, from its sizes alone (no model is built): the tied
     embedding, then per layer two RMSNorm weights, the fused query/key/value projection, the
