@@ -167,7 +167,19 @@ def test_a_bad_duration_is_one_clear_line(text, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "run"), f"--time-budget={text}"]) == 2
     error = capsys.readouterr().err
     assert error == (
-        "octlm train: time_budget must be a positive duration such as 90s, 10m, 1h or 1h30m, "
+        "octlm train: --time-budget must be a positive duration such as 90s, 10m, 1h or 1h30m, "
         f"got {text!r}\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_the_progress_bar_shows_the_budget_spent_and_the_time_left(
+    corpus, tmp_path, step_seconds, capsys
+):
+    clock = step_seconds(10.0)
+    model_config, run = resolve(
+        model=MODEL, run={**RUN, "data": str(corpus), "time_budget": "1m", "log_every": 1}
+    )
+    train(model_config, run, tmp_path / "run", progress=True, clock=clock)
+    err = capsys.readouterr().err
+    assert "budget=50%" in err and "left=30s" in err

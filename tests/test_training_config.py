@@ -61,7 +61,7 @@ def test_parameter_count_is_the_models():
 @pytest.mark.parametrize(
     "model, run, message",
     [
-        ({}, {"steps": 0}, "steps must be a positive int, got 0"),
+        ({}, {"steps": 0}, "steps must be a positive integer, got 0"),
         ({}, {"val_share": 1.0}, "val_share must be in"),
         ({}, {"dtype": "float64"}, "dtype must be one of"),
         ({"vocab_size": 100}, {}, "byte tokens need vocab_size 256, got 100"),

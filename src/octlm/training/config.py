@@ -78,7 +78,8 @@ class RunConfig:
     )
     time_budget: str | None = _option(
         None,
-        "train for this much wall-clock time (90s, 10m, 1h30m): the learning rate's cosine "
+        "train for this much wall-clock time (90s, 10m, 1h30m; a bare number is seconds): the "
+        "learning rate's cosine "
         "follows the training time used (evaluations excluded) and the run ends with an "
         "evaluation and a checkpoint once it is spent; with --steps, at whichever comes first",
     )
@@ -123,10 +124,10 @@ class RunConfig:
         positive += ("checkpoint_every", "keep", "log_every")
         for name in positive:
             if not is_int_at_least(getattr(self, name), 1):
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("warmup", "seed", "sample_tokens"):
             if not is_int_at_least(getattr(self, name), 0):
-                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         for field in fields(self):  # a config file could give "false" for false
             value = getattr(self, field.name)
             if field.type == "bool" and not isinstance(value, bool):
@@ -361,10 +362,23 @@ def _as_json(value):
 
 
 def stored_model(folder: str | Path) -> ModelConfig:
-    """The model config a run folder's ``config.json`` holds; ``ValueError`` if it holds none."""
+    """The model config a run folder's ``config.json`` holds; ``ValueError`` if it holds none
+    (naming a transformers folder as one: it loads with ``OctLM.from_pretrained``)."""
     file = Path(folder) / CONFIG_FILE
+    if not Path(folder).exists():
+        raise ValueError(f"run folder {str(folder)!r} does not exist")
     if not file.is_file():
         raise ValueError(f"run folder {str(folder)!r} has no {CONFIG_FILE}: not an octlm run")
+    try:
+        content = json.loads(file.read_text())
+    except ValueError:
+        content = None
+    if isinstance(content, dict) and "model" not in content and "model_type" in content:
+        raise ValueError(
+            f"{str(folder)!r} is a transformers folder, not an octlm run folder: load it with "
+            f"OctLM.from_pretrained({str(folder)!r}), or train from it with octlm train "
+            f"--init-from {folder}"
+        )
     table = read_file(file).get("model")
     known = {f.name for f in fields(ModelConfig)}
     return model_from_dict(_checked_keys(table, known, f"config {file} [model]"))
@@ -468,16 +482,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
         if field.name == "block":
-            extras = {"type": int, "nargs": "+", "metavar": "B", "help": "B, or BLOCK_Q BLOCK_K"}
+            extras = {"type": int, "nargs": "+", "metavar": "B"}
         if field.name == "attention":
             extras = {"choices": list(IMPLEMENTATIONS)}
         model_group.add_argument(
-            _flag(field.name), dest=f"model.{field.name}", default=None, **extras
+            _flag(field.name),
+            dest=f"model.{field.name}",
+            default=None,
+            help=MODEL_HELP[field.name],
+            **extras,
         )
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# The help of each model flag (ModelConfig's fields; the model's own docstring says more).
+MODEL_HELP = {
+    "vocab_size": "tokens in the vocabulary (bytes: 256; BPE: the size it learns)",
+    "width": "the residual stream's width (embedding size)",
+    "n_layers": "transformer blocks",
+    "n_heads": "query heads per block (width must be a multiple)",
+    "n_kv_heads": "key/value heads (grouped-query attention; default: n_heads)",
+    "max_length": "the longest sequence the model takes, in tokens (default --length); a "
+    "longer one at inference is refused",
+    "attention": "attention implementation (auto picks sdpa or tiled per call)",
+    "block": "tiled's tile: B, or BLOCK_Q BLOCK_K",
+    "kernel": "tiled's kernel: auto (Triton on CUDA when installed), pytorch or triton",
+    "window": "sliding-window attention: each token sees this many (0: no window)",
+    "dropout": "dropout probability in training",
+    "rope_base": "rotary embedding's base",
+    "tied_head": "the output head shares the embedding matrix",
+    "mlp_width": "SwiGLU's hidden width (default 8/3 x width, rounded up to a multiple of 8)",
+    "norm_eps": "RMSNorm's epsilon",
+}
+
+
+def as_flags(message: str) -> str:
+    """A configuration error as the command line says it: a leading field name becomes the
+    flag that sets it (``steps must be ...`` -> ``--steps must be ...``)."""
+    name, space, rest = message.partition(" ")
+    known = {f.name for f in fields(RunConfig)} | {f.name for f in fields(ModelConfig)}
+    return _flag(name) + space + rest if name in known else message
 
 
 def _field_type(annotation: str):

@@ -16,8 +16,11 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from octlm.model import ModelConfig, OctLM, is_int_at_least
 from octlm.tokenizer import STORING as STORING_TOKENIZER
@@ -69,8 +72,16 @@ def hold(folder: Path, cluster):
             folder_lock.release(keep=ours)
 
 
-def prepare(folder: Path, model_config: ModelConfig, run: RunConfig, resume: bool, overwrite: bool):
-    """Check or create the held run folder and write the token files; their summary.
+def prepare(
+    folder: Path,
+    model_config: ModelConfig,
+    run: RunConfig,
+    resume: bool,
+    overwrite: bool,
+    progress: bool = False,
+) -> dict:
+    """Check or create the held run folder and write the token files (saying so on stderr with
+    ``progress``: a large corpus takes a while); their summary.
 
     ``config.json`` is written by :func:`store_config` once the run reaches its first step.
     """
@@ -110,7 +121,7 @@ def prepare(folder: Path, model_config: ModelConfig, run: RunConfig, resume: boo
             "token files cannot be checked; start the run again (--overwrite)"
         )
     if summary is None:
-        summary = _write_tokens(folder, model_config, run, imported=bpe is not None)
+        summary = _write_tokens(folder, model_config, run, bpe is not None, progress)
     _check_tokenizer(folder, summary, model_config, run)
     return summary
 
@@ -128,7 +139,9 @@ def _check_resumable(folder: Path, model_config: ModelConfig, run: RunConfig) ->
         )
 
 
-def _write_tokens(folder: Path, model_config: ModelConfig, run: RunConfig, imported: bool) -> dict:
+def _write_tokens(
+    folder: Path, model_config: ModelConfig, run: RunConfig, imported: bool, progress: bool
+) -> dict:
     """The corpus tokenized into ``folder/data`` by the run's tokenizer (an ``imported`` one is
     in the folder already; a BPE is trained on the training split and saved); the summary."""
     source, glob = data.default_corpus()
@@ -137,11 +150,24 @@ def _write_tokens(folder: Path, model_config: ModelConfig, run: RunConfig, impor
     if imported:  # the imported tokenizer, not one trained on this corpus
         tokenizer = BPETokenizer.from_file(folder / TOKENIZER_FILE)
     elif run.tokenizer == "bpe":
+        if progress:
+            print(
+                f"training a byte-level BPE of {model_config.vocab_size:,} tokens on the "
+                f"training split of {source} ...",
+                file=sys.stderr,
+                flush=True,
+            )
         texts = data.training_texts(source, glob, run.val_share)
         tokenizer = BPETokenizer.train(texts, model_config.vocab_size)
     else:
         tokenizer = ByteTokenizer()
-    summary = data.write_tokens(source, glob, run.val_share, folder / DATA_FOLDER, tokenizer)
+    bar = tqdm(
+        desc=f"tokenising {source}", unit="B", unit_scale=True, leave=False, disable=not progress
+    )
+    with bar:
+        summary = data.write_tokens(
+            source, glob, run.val_share, folder / DATA_FOLDER, tokenizer, progress=bar.update
+        )
     if not imported:  # an imported tokenizer.json is already there, as it came
         tokenizer.save(folder)
     return summary

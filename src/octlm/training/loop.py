@@ -67,8 +67,9 @@ class Outcome:
 
     folder: Path
     step: int
-    val_loss: float | None
+    val_loss: float | None  # nats per token
     val_bits_per_byte: float | None
+    val_step: int | None  # the step of that evaluation
     stopped_by: str | None  # the signal that ended the run early, None if it ran to the end
     rank: int  # this process's rank: 0 speaks for the run
 
@@ -109,7 +110,7 @@ def train(
         with _stop_on_signals() as stop, run_folder.hold(folder, cluster):
             _check_run(model_config, run, cluster)
             summary = cluster.on_main(
-                lambda: run_folder.prepare(folder, model_config, run, resume, overwrite)
+                lambda: run_folder.prepare(folder, model_config, run, resume, overwrite, progress)
             )
             state = Training.build(model_config, run, folder, cluster, clock, resume)
             return _loop(state, summary, resume, progress, stop)
@@ -137,7 +138,7 @@ def _loop(state: Training, summary: dict, resume: bool, progress: bool, stop: di
         total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
     )
     began, tokens_seen = time.perf_counter(), 0
-    last_eval, stopped_by, step = None, None, start
+    last_eval, evaluated, stopped_by, step = None, None, None, start
     stopwatch.start()
     for step in range(start + 1, (run.steps or sys.maxsize) + 1):
         batch = state.batches.next(run.batch)  # (B, T) each, the same on every rank
@@ -166,14 +167,18 @@ def _loop(state: Training, summary: dict, resume: bool, progress: bool, stop: di
                 train_seconds=stopwatch.elapsed,
                 **peak_memory(cluster.device),
             )
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}")
+            bar.set_postfix(
+                loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}", **_budget(run, stopwatch)
+            )
             began, tokens_seen = time.perf_counter(), 0
         # Before the evaluation: an evaluation that fails (memory, a full disk) loses no step.
         if step % run.checkpoint_every == 0 or final:
             state.save(step)
-        if step % run.eval_every == 0 or step == run.steps or spent:
+        # The end's evaluation, unless the step before had one (the figure would repeat it).
+        ending = (step == run.steps or spent) and evaluated != step - 1
+        if step % run.eval_every == 0 or ending:
             train_loss = cluster.total(loss).item() if train_loss is None else train_loss
-            last_eval = state.evaluate()
+            last_eval, evaluated = state.evaluate(), step
             metrics.write(
                 "eval",
                 step=step,
@@ -183,7 +188,7 @@ def _loop(state: Training, summary: dict, resume: bool, progress: bool, stop: di
             )
             if cluster.is_main:
                 bar.write(
-                    f"step {step}: val loss {last_eval.val_loss:.4f}, "
+                    f"step {step}: val loss {last_eval.val_loss:.4f} nats per token, "
                     f"{last_eval.val_bits_per_byte:.3f} bits per byte\n"
                     f"  sample: {last_eval.sample!r}"
                 )
@@ -197,7 +202,19 @@ def _loop(state: Training, summary: dict, resume: bool, progress: bool, stop: di
     if cluster.is_main and stopped_by:
         print(f"stopped by {stopped_by} after step {step}; continue with --resume")
     val_loss, val_bits_per_byte, _sample = last_eval or (None, None, None)
-    return Outcome(folder, step, val_loss, val_bits_per_byte, stopped_by, cluster.rank)
+    return Outcome(folder, step, val_loss, val_bits_per_byte, evaluated, stopped_by, cluster.rank)
+
+
+def _budget(run: RunConfig, stopwatch: Stopwatch) -> dict[str, str]:
+    """The progress bar's view of a time budget: the share spent and the time left."""
+    if run.time_budget is None:
+        return {}
+    left = max(run.budget_seconds - stopwatch.elapsed, 0.0)
+    minutes, seconds = divmod(round(left), 60)
+    return {
+        "budget": f"{stopwatch.elapsed / run.budget_seconds:.0%}",
+        "left": f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s",
+    }
 
 
 @dataclass
@@ -506,8 +523,13 @@ def _announce(
         f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, {run.dtype}; "
         f"batch {run.batch} x {run.length} tokens{', packed' if run.pack else ''}, "
         f"steps {start + 1}..{run.steps or ''}"
-        + (f", time budget {run.time_budget}" if run.time_budget else "")
+        + (f", time budget {_as_given(run.time_budget)}" if run.time_budget else "")
     )
+
+
+def _as_given(budget: str) -> str:
+    """A time budget as written, a bare number marked as the seconds it means."""
+    return f"{budget} seconds" if budget.strip().replace(".", "", 1).isdigit() else budget
 
 
 @contextlib.contextmanager
