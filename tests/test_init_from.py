@@ -34,7 +34,7 @@ SIZES = dict(
 )  # fmt: skip
 RUN = dict(
     steps=1, batch=4, length=16, log_every=1, eval_every=1, eval_batches=1, checkpoint_every=1,
-    sample_tokens=0, warmup=0,
+    sample_tokens=0, warmup=0, dtype="float32",
 )  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")

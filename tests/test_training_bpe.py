@@ -30,6 +30,7 @@ MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
 RUN = dict(
     tokenizer="bpe", steps=4, batch=4, length=16, eval_every=2, eval_batches=2,
     checkpoint_every=2, keep=10, log_every=1, sample_tokens=4, warmup=1, lr=1e-2,
+    dtype="float32",
 )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 from octlm.training.budget import parse_duration
 from octlm.training.optim import OPTIMIZERS
+from octlm.training.precision import AUTO
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2),
@@ -38,6 +39,8 @@ DEFAULT_STEPS = 1000
 # Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
 # checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
 # dropout: ``INTERCHANGEABLE``) may change with it.
+# What a field meant in a config.json written before the field was stored: the default then.
+PREDATED = {"dtype": "float32"}
 RESUMABLE = frozenset(
     {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
@@ -96,7 +99,12 @@ class RunConfig:
     weight_decay: float = _option(0.1, "weight decay of the matrices (AdamW and Muon)")
     clip: float = _option(1.0, "gradient norm clipping threshold (0: none)")
     seed: int = _option(0, "RNG seed of the weights, batches and dropout")
-    dtype: str = _option("float32", "float32, bfloat16 (autocast) or float16 (autocast, CUDA)")
+    dtype: str = _option(
+        "auto",
+        "auto: bfloat16 autocast where the CPU or GPU has bfloat16 units (AVX512-BF16, AMX, "
+        "Ampere or later), float32 elsewhere; or float32, bfloat16 (autocast), float16 "
+        "(autocast, CUDA)",
+    )
     device: str | None = _option(None, "cpu or cuda (default: cuda when there is one)")
     compile: bool = _switch("torch.compile the model")
     checkpoint_activations: bool = _switch("recompute each block in backward (less memory)")
@@ -153,8 +161,8 @@ class RunConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
         if self.tokenizer not in NAMES:
             raise ValueError(f"tokenizer must be one of {NAMES}, got {self.tokenizer!r}")
         if self.fsdp and self.context_parallel:
@@ -261,7 +269,11 @@ def resolve(
         stored = Path(resume) / CONFIG_FILE
         if not stored.is_file():
             raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
+        stored_run = read_file(stored).get("run", {})
         model, run = _resumed_flags(read_file(stored), preset, file, model or {}, run or {})
+        if run.get("dtype") == AUTO:  # the run keeps the dtype auto resolved to at its start
+            run = {name: value for name, value in run.items() if name != "dtype"}
+        run = {name: value for name, value in PREDATED.items() if name not in stored_run} | run
         preset, file = None, stored
     content = read_file(file) if file is not None else {}
     given = _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
@@ -436,11 +448,11 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
 def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError naming every field where a resumed run departs from ``stored``.
 
-    A field ``stored`` lacks (the run is older than the field) had its default value.
+    A field ``stored`` lacks (the run is older than the field) had its default value then.
     """
     resolved = _as_json(to_dict(model, run))
     # The stored model resolved: a field it predates gets the default its own sizes imply.
-    defaults = _as_json(to_dict(model_from_dict(stored["model"]), RunConfig()))
+    defaults = _as_json(to_dict(model_from_dict(stored["model"]), RunConfig(**PREDATED)))
     differences = [
         f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")
@@ -470,7 +482,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             extras |= {"type": _field_type(field.type), "metavar": field.name.upper()}
             help += "" if field.default is None else f" (default {field.default})"
         if field.name in ("dtype", "optimizer"):
-            extras |= {"choices": list(DTYPES if field.name == "dtype" else OPTIMIZERS)}
+            extras |= {"choices": [AUTO, *DTYPES] if field.name == "dtype" else list(OPTIMIZERS)}
             extras |= {"metavar": None}
         run_group.add_argument(
             _flag(field.name), dest=f"run.{field.name}", default=None, help=help, **extras

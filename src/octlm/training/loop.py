@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +46,7 @@ from octlm.training.distributed import Cluster
 from octlm.training.folder import DATA_FOLDER
 from octlm.training.metrics import Metrics, peak_memory, plot
 from octlm.training.optim import make_optimizer, make_scheduler
+from octlm.training.precision import AUTO, resolve_dtype
 from octlm.training.sample import generate_text, single_process
 
 LN2 = math.log(2)
@@ -105,6 +106,8 @@ def train(
     if run.init_from is not None and not resume:  # the run keeps its weights' tokenizer
         run = imported_tokenizer(run, model_config.vocab_size)
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
+    chosen = run.dtype == AUTO  # resolved from rank 0's hardware, stored as resolved
+    run = replace(run, dtype=cluster.share(resolve_dtype(run.dtype, cluster.device)))
     folder = Path(out)
     try:
         with _stop_on_signals() as stop, run_folder.hold(folder, cluster):
@@ -113,12 +116,14 @@ def train(
                 lambda: run_folder.prepare(folder, model_config, run, resume, overwrite, progress)
             )
             state = Training.build(model_config, run, folder, cluster, clock, resume)
-            return _loop(state, summary, resume, progress, stop)
+            return _loop(state, summary, resume, progress, stop, chosen)
     finally:
         distributed.teardown(cluster)
 
 
-def _loop(state: Training, summary: dict, resume: bool, progress: bool, stop: dict) -> Outcome:
+def _loop(
+    state: Training, summary: dict, resume: bool, progress: bool, stop: dict, chosen: bool
+) -> Outcome:
     """Step until the run's steps or budget are done or a signal comes: records every
     ``log_every`` steps, checkpoints and evaluations at theirs and at the end."""
     run, cluster, folder, stopwatch = state.run, state.cluster, state.folder, state.stopwatch
@@ -133,7 +138,7 @@ def _loop(state: Training, summary: dict, resume: bool, progress: bool, stop: di
     if cluster.is_main:
         if not resume:  # everything before the first step worked: the folder is now a run
             run_folder.begun(folder, state.model_config, run)
-        _announce(summary, state.model_config, run, cluster, start)
+        _announce(summary, state.model_config, run, cluster, start, chosen)
     bar = tqdm(
         total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
     )
@@ -255,7 +260,12 @@ class Training:
             _recompute_blocks(raw)
         distributed.shard(raw, cluster)
         optimizer = make_optimizer(
-            raw, run.lr, run.weight_decay, optimizer=run.optimizer, muon_lr=run.muon_lr
+            raw,
+            run.lr,
+            run.weight_decay,
+            optimizer=run.optimizer,
+            muon_lr=run.muon_lr,
+            precision=DTYPES["bfloat16" if run.dtype == "bfloat16" else "float32"],
         )
         stopwatch = Stopwatch(clock)
         scheduler = make_scheduler(
@@ -503,8 +513,17 @@ def _recompute_blocks(model: OctLM) -> None:
 
 
 def _announce(
-    summary: dict, model_config: ModelConfig, run: RunConfig, cluster: Cluster, start: int
+    summary: dict,
+    model_config: ModelConfig,
+    run: RunConfig,
+    cluster: Cluster,
+    start: int,
+    chosen: bool,
 ) -> None:
+    """The run's start lines: its data, its tokens, its model and how it runs (``chosen``: the
+    dtype is --dtype auto's pick for this hardware)."""
+    units = "has" if run.dtype == "bfloat16" else "lacks"
+    dtype = f"{run.dtype} (auto: the {cluster.device.type} {units} bfloat16 units)"
     parameters = parameter_count(model_config)
     print(
         f"data {summary['source']} ({summary['glob']}): "
@@ -520,7 +539,8 @@ def _announce(
         )
     print(
         f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
-        f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, {run.dtype}; "
+        f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, "
+        f"{dtype if chosen else run.dtype}; "
         f"batch {run.batch} x {run.length} tokens{', packed' if run.pack else ''}, "
         f"steps {start + 1}..{run.steps or ''}"
         + (f", time budget {_as_given(run.time_budget)}" if run.time_budget else "")
