@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
 RUN = dict(
     batch=4, length=16, eval_every=1000, eval_batches=2, checkpoint_every=1000, keep=10,
-    log_every=1, sample_tokens=4, warmup=0, lr=1e-2, min_lr_ratio=0.1,
+    log_every=1, sample_tokens=4, warmup=0, lr=1e-2, min_lr_ratio=0.1, tokenizer="bytes",
+    optimizer="adamw",
 )  # fmt: skip
 
 

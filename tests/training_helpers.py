@@ -18,7 +18,8 @@ TINY_MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
 # tests compare losses exactly.
 TINY_RUN = dict(
     steps=6, batch=4, length=16, eval_every=3, eval_batches=2, checkpoint_every=2, keep=10,
-    log_every=1, sample_tokens=4, warmup=2, lr=1e-2, dtype="float32",
+    log_every=1, sample_tokens=4, warmup=2, lr=1e-2, dtype="float32", tokenizer="bytes",
+    optimizer="adamw",
 )  # fmt: skip
 
 
@@ -75,4 +76,5 @@ def tiny_flags(corpus: Path, folder: Path, steps: int) -> list[str]:
         "--width", "16", "--n-layers", "1", "--n-heads", "2", "--batch", "4", "--length", "16",
         "--eval-every", "100000", "--checkpoint-every", "100000", "--log-every", "1",
         "--eval-batches", "1", "--sample-tokens", "4", "--dtype", "float32",
+        "--tokenizer", "bytes", "--optimizer", "adamw",
     ]  # fmt: skip

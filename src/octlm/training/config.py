@@ -22,7 +22,7 @@ from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 from octlm.training.budget import parse_duration
-from octlm.training.optim import OPTIMIZERS
+from octlm.training.optim import DEFAULT_OPTIMIZER, OPTIMIZERS
 from octlm.training.precision import AUTO
 
 PRESETS: dict[str, dict] = {
@@ -40,7 +40,7 @@ DEFAULT_STEPS = 1000
 # checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
 # dropout: ``INTERCHANGEABLE``) may change with it.
 # What a field meant in a config.json written before the field was stored: the default then.
-PREDATED = {"dtype": "float32"}
+PREDATED = {"dtype": "float32", "tokenizer": "bytes", "optimizer": "adamw"}
 RESUMABLE = frozenset(
     {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
@@ -67,9 +67,9 @@ class RunConfig:
     glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
     val_share: float = _option(0.1, "share of documents held out for validation")
     tokenizer: str = _option(
-        "bytes",
-        f"bytes, or bpe: a byte-level BPE of --vocab-size tokens (default {DEFAULT_BPE_VOCAB}) "
-        "trained on the training split",
+        "bpe",
+        f"bpe: a byte-level BPE of --vocab-size tokens (default {DEFAULT_BPE_VOCAB}) trained on "
+        "the training split; or bytes: every byte a token, nothing to train",
         choices=NAMES,
     )
     pack: bool = _switch(
@@ -90,7 +90,9 @@ class RunConfig:
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
     optimizer: str = _option(
-        "adamw", "adamw for all; or muon: Muon for the blocks' matrices, AdamW for the rest"
+        DEFAULT_OPTIMIZER,
+        "muon: Muon for the blocks' matrices, AdamW for the rest (the default where torch has "
+        "torch.optim.Muon, 2.9 or later); or adamw for all",
     )
     lr: float = _option(3e-3, "peak learning rate (of the AdamW part with --optimizer muon)")
     muon_lr: float = _option(6e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
@@ -351,7 +353,7 @@ def _resumed_flags(stored: dict, preset, file, model: dict, run: dict) -> tuple[
             known = {f.name for f in fields(dataclass_)}
             values = _checked_keys(content.get(table, {}), known, f"config {file} [{table}]")
             given |= {(table, name): (value, f"--config {file}") for name, value in values.items()}
-    defaults = _as_json(to_dict(ModelConfig(), RunConfig()))
+    defaults = _as_json(to_dict(ModelConfig(), RunConfig(**PREDATED)))
     changes = {"model": {}, "run": {}}
     for (table, name), (value, source) in given.items():
         if name in (model if table == "model" else run):

@@ -158,7 +158,10 @@ def _write_tokens(
                 flush=True,
             )
         texts = data.training_texts(source, glob, run.val_share)
-        tokenizer = BPETokenizer.train(texts, model_config.vocab_size)
+        try:
+            tokenizer = BPETokenizer.train(texts, model_config.vocab_size)
+        except ValueError as error:  # a corpus too small for the vocabulary
+            raise ValueError(f"{error}; or --tokenizer bytes, which learns nothing") from None
     else:
         tokenizer = ByteTokenizer()
     bar = tqdm(
