@@ -88,15 +88,22 @@ def test_a_resumed_run_keeps_its_dtype_on_other_hardware(corpus, tmp_path, cpu_h
     assert stored["run"]["dtype"] == "bfloat16"
 
 
-def test_a_run_folder_older_than_auto_resumes_in_float32(corpus, tmp_path, cpu_has):
+def test_a_run_folder_older_than_its_defaults_resumes_as_it_began(corpus, tmp_path, cpu_has):
+    """A config.json without dtype, tokenizer or optimizer was float32, bytes and AdamW, not
+    today's defaults (auto, BPE, Muon)."""
     cpu_has({"avx512_bf16"})
     start(corpus, tmp_path / "run", dtype="float32")
     path = tmp_path / "run" / CONFIG_FILE
     stored = json.loads(path.read_text())
-    del stored["run"]["dtype"]  # written before the field was stored
+    for name in ("dtype", "tokenizer", "optimizer"):  # written before the fields were stored
+        del stored["run"][name]
     path.write_text(json.dumps(stored))
     model_config, run_config = resolve(run={"steps": 3}, resume=tmp_path / "run")
-    assert run_config.dtype == "float32"
+    assert (run_config.dtype, run_config.tokenizer, run_config.optimizer) == (
+        "float32",
+        "bytes",
+        "adamw",
+    )
     train(model_config, run_config, tmp_path / "run", resume=True, progress=False)
 
 
