@@ -1,4 +1,5 @@
-"""The training loop, top to bottom: folder, data, model, then steps with evals and checkpoints.
+"""The training loop: a run's state (:class:`Training`) stepped to the end, with records,
+evaluations and checkpoints; the run folder around it is :mod:`octlm.training.folder`'s.
 
 One optimizer step draws the global batch ``(B, T)`` (the same on every rank): random windows,
 or with ``pack`` rows of whole documents kept apart by ``document_ids``. It keeps this rank's
