@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
+import subprocess
+import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,17 +25,38 @@ from tests.training_helpers import configs, read_metrics, tiny_flags
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# A child that trains and is SIGKILLed halfway through writing the checkpoint of step 3.
+KILLED_MID_WRITE = """
+import os, signal, sys, torch
+from octlm.training import resolve, train
+from tests.training_helpers import TINY_MODEL, TINY_RUN
+save = torch.save
+def dying(contents, out, *args, **kwargs):
+    if isinstance(contents, dict) and contents.get("step") == 3:
+        out.write(b"half a checkpoint")
+        out.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return save(contents, out, *args, **kwargs)
+torch.save = dying
+run = {**TINY_RUN, "data": sys.argv[1], "steps": 4, "checkpoint_every": 1}
+train(*resolve(model=TINY_MODEL, run=run), sys.argv[2], progress=False)
+"""
+
+
 def test_resume_removes_the_temporary_file_of_a_killed_checkpoint_write(corpus, tmp_path):
     folder = tmp_path / "run"
-    train(*configs(corpus, steps=2), folder, progress=False)
-    # What save_atomically leaves when SIGKILL lands mid-write: its temporary, under its name.
-    final = checkpoint.path_for(folder, 4)
-    torn = folder / f".{final.name}.{secrets.token_hex(4)}.tmp"
-    torn.write_bytes(b"half a checkpoint")
-    assert checkpoint.is_own(torn.name)
-    train(*configs(corpus, steps=3), folder, resume=True, progress=False)
-    assert not torn.exists() and not list(folder.glob("*.tmp"))
-    assert checkpoint.latest(folder) == checkpoint.path_for(folder, 3)
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(corpus), str(folder)],
+        capture_output=True,
+        cwd=Path(__file__).parents[1],
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    left = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+    assert len(left) == 1 and checkpoint.is_own(left[0])  # .checkpoint-0000003.pt.<hex>.tmp
+    assert checkpoint.latest(folder) == checkpoint.path_for(folder, 2)
+    train(*configs(corpus, steps=4), folder, resume=True, progress=False)
+    assert not list(folder.glob("*.tmp")) and not list(folder.glob(".*.tmp"))
+    assert checkpoint.latest(folder) == checkpoint.path_for(folder, 4)
 
 
 def test_errors_name_the_flag_typed(corpus, tmp_path, capsys):
