@@ -23,7 +23,7 @@ from octlm.integrations.llama_format import read_config  # noqa: E402
 from octlm.integrations.tokenizer_files import bpe_file  # noqa: E402
 from octlm.training import data, train  # noqa: E402
 from octlm.training.config import RunConfig, resolve  # noqa: E402
-from octlm.training.loop import DATA_FOLDER  # noqa: E402
+from octlm.training.folder import DATA_FOLDER  # noqa: E402
 from octlm.training.metrics import METRICS  # noqa: E402
 from tests.transformers_folders import TEXTS, rope_tolerance, train_bpe  # noqa: E402
 
@@ -34,7 +34,7 @@ SIZES = dict(
 )  # fmt: skip
 RUN = dict(
     steps=1, batch=4, length=16, log_every=1, eval_every=1, eval_batches=1, checkpoint_every=1,
-    sample_tokens=0, warmup=0,
+    sample_tokens=0, warmup=0, dtype="float32",
 )  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")

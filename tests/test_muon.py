@@ -81,26 +81,30 @@ def test_adamw_alone_leaves_the_mlp_updates_far_from_orthogonal():
     assert all(_spread(delta) > 4 for name, delta in change.items() if ".mlp." in name)
 
 
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(48, 20), (20, 48), (32, 32)])
-def test_orthogonalise_keeps_the_singular_vectors_and_evens_the_singular_values(shape):
-    """Against float64 SVD ``G = U S V^T``: the result is ``U S' V^T`` with every ``S'`` near 1."""
+def test_orthogonalise_keeps_the_singular_vectors_and_evens_the_singular_values(shape, precision):
+    """Against float64 SVD ``G = U S V^T``: the result is ``U S' V^T`` with every ``S'`` near 1,
+    off the diagonal within a few roundings of the iteration's precision."""
     generator = torch.Generator().manual_seed(0)
     update = torch.randn(shape, generator=generator) * torch.logspace(0, 1, shape[1])  # (A, B)
-    result = orthogonalise(update, (3.4445, -4.775, 2.0315), 5, 1e-7).double()
+    result = orthogonalise(update, (3.4445, -4.775, 2.0315), 5, 1e-7, precision).double()
     u, _s, vh = torch.linalg.svd(update.double(), full_matrices=False)
     spectrum = u.T @ result @ vh.T  # S', diagonal where the singular vectors are kept
     diagonal = spectrum.diagonal()
-    assert (spectrum - torch.diag(diagonal)).abs().max() < 1e-4
+    rounding = torch.finfo(precision).eps * max(shape)
+    assert (spectrum - torch.diag(diagonal)).abs().max() < max(1e-4, rounding)
     assert diagonal.min() > 0.5 and diagonal.max() < 1.5
 
 
-def test_muon_steps_as_torch_muon_does_up_to_bfloat16_rounding():
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
+def test_muon_steps_as_torch_muon_does_up_to_bfloat16_rounding(precision):
     """torch's Muon (its iteration in bfloat16) is the reference for momentum, Nesterov, decay
     and the step size; three steps, so the momentum buffer counts."""
     torch.manual_seed(0)
     weights = torch.randn(40, 24)
     ours, theirs = torch.nn.Parameter(weights.clone()), torch.nn.Parameter(weights.clone())
-    mine = Muon([ours], lr=0.02, weight_decay=0.1)
+    mine = Muon([ours], lr=0.02, weight_decay=0.1, precision=precision)
     reference = torch.optim.Muon(
         [theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
     )

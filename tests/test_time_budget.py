@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
 RUN = dict(
     batch=4, length=16, eval_every=1000, eval_batches=2, checkpoint_every=1000, keep=10,
-    log_every=1, sample_tokens=4, warmup=0, lr=1e-2, min_lr_ratio=0.1,
+    log_every=1, sample_tokens=4, warmup=0, lr=1e-2, min_lr_ratio=0.1, tokenizer="bytes",
+    optimizer="adamw",
 )  # fmt: skip
 
 
@@ -58,7 +59,7 @@ def step_seconds(monkeypatch):
     """``step_seconds(s)``: from then on each optimizer step takes ``s`` seconds of a fresh
     fake clock, which it returns."""
 
-    real = loop._step
+    real = loop.Training.step
 
     def slow(seconds: float) -> Clock:
         clock = Clock()
@@ -67,7 +68,7 @@ def step_seconds(monkeypatch):
             clock.now += seconds
             return real(*args)
 
-        monkeypatch.setattr(loop, "_step", step)
+        monkeypatch.setattr(loop.Training, "step", step)
         return clock
 
     return slow
@@ -167,7 +168,19 @@ def test_a_bad_duration_is_one_clear_line(text, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "run"), f"--time-budget={text}"]) == 2
     error = capsys.readouterr().err
     assert error == (
-        "octlm train: time_budget must be a positive duration such as 90s, 10m, 1h or 1h30m, "
+        "octlm train: --time-budget must be a positive duration such as 90s, 10m, 1h or 1h30m, "
         f"got {text!r}\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_the_progress_bar_shows_the_budget_spent_and_the_time_left(
+    corpus, tmp_path, step_seconds, capsys
+):
+    clock = step_seconds(10.0)
+    model_config, run = resolve(
+        model=MODEL, run={**RUN, "data": str(corpus), "time_budget": "1m", "log_every": 1}
+    )
+    train(model_config, run, tmp_path / "run", progress=True, clock=clock)
+    err = capsys.readouterr().err
+    assert "budget=50%" in err and "left=30s" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,7 @@ MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
 RUN = dict(
     tokenizer="bpe", steps=4, batch=4, length=16, eval_every=2, eval_batches=2,
     checkpoint_every=2, keep=10, log_every=1, sample_tokens=4, warmup=1, lr=1e-2,
+    dtype="float32", optimizer="adamw",
 )  # fmt: skip
 
 
@@ -233,10 +235,10 @@ def test_a_vocabulary_that_is_not_the_tokenizer_s_is_refused(corpus, model, run,
         configs(corpus, model, **run)
 
 
-def test_bpe_vocabulary_defaults_to_4096(corpus):
-    model_config, _run = resolve(run={"tokenizer": "bpe", "data": str(corpus)})
-    assert model_config.vocab_size == 4096
-    assert resolve(run={"data": str(corpus)})[0].vocab_size == 256
+def test_octlm_train_defaults_to_a_bpe_of_4096_and_bytes_is_one_flag_away(corpus):
+    model_config, run = resolve(run={"data": str(corpus)})
+    assert (run.tokenizer, model_config.vocab_size) == ("bpe", 4096)
+    assert resolve(run={"tokenizer": "bytes", "data": str(corpus)})[0].vocab_size == 256
 
 
 def test_a_start_whose_corpus_cannot_give_the_vocabulary_leaves_nothing(corpus, tmp_path):
@@ -257,3 +259,16 @@ def test_the_tokenizer_file_is_the_run_s_own(bpe_run, tmp_path):
     again = BPETokenizer.from_file(folder / TOKENIZER_FILE)
     text = (bpe_run.parent / "corpus" / "part1" / "doc5.txt").read_bytes()
     assert again.encode(text) == load_tokenizer(bpe_run).encode(text)  # the same training
+
+
+def test_a_corpus_too_small_for_the_default_bpe_is_told_what_to_pass(corpus, tmp_path, capsys):
+    """The defaults (a BPE of 4,096 tokens) on a few kilobytes: one line naming the sizes and
+    both ways out, and the same command with --tokenizer bytes trains."""
+    flags = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), "--steps", "1"]
+    flags += ["--width", "16", "--n-layers", "1", "--n-heads", "2", "--length", "16"]
+    flags += ["--eval-batches", "1", "--sample-tokens", "4", "--batch", "4"]
+    assert main(flags) == 2
+    *_status, error = capsys.readouterr().err.strip().splitlines()
+    assert re.match(r"octlm train: --vocab-size 4096: the training text yields only \d+ ", error)
+    assert "--tokenizer bytes" in error
+    assert main([*flags, "--tokenizer", "bytes"]) == 0

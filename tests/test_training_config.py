@@ -61,11 +61,11 @@ def test_parameter_count_is_the_models():
 @pytest.mark.parametrize(
     "model, run, message",
     [
-        ({}, {"steps": 0}, "steps must be a positive int, got 0"),
+        ({}, {"steps": 0}, "steps must be a positive integer, got 0"),
         ({}, {"val_share": 1.0}, "val_share must be in"),
         ({}, {"dtype": "float64"}, "dtype must be one of"),
-        ({"vocab_size": 100}, {}, "byte tokens need vocab_size 256, got 100"),
-        ({"vocab_size": 300}, {}, "byte tokens need vocab_size 256, got 300"),
+        ({"vocab_size": 100}, {"tokenizer": "bytes"}, "byte tokens need vocab_size 256, got 100"),
+        ({"vocab_size": 300}, {"tokenizer": "bytes"}, "byte tokens need vocab_size 256, got 300"),
         ({}, {"prompt": "def\udcff"}, "prompt must be UTF-8 text"),
         ({}, {"pack": "false"}, "pack must be true or false, got 'false'"),
         ({}, {"compile": 0}, "compile must be true or false, got 0"),

@@ -152,7 +152,7 @@ def test_an_evaluation_that_fails_loses_no_step(corpus, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(loop, "_evaluate", fail)
+    monkeypatch.setattr(loop.Training, "evaluate", fail)
     with pytest.raises(RuntimeError, match="out of memory"):
         train(model_config, run, tmp_path / "run", progress=False)
     assert [p.name for p in checkpoint.listed(tmp_path / "run")] == ["checkpoint-0000002.pt"]
@@ -169,7 +169,7 @@ def test_a_resume_that_fails_in_its_first_step_keeps_the_runs_config(corpus, tmp
     def fail(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(loop, "_step", fail)
+    monkeypatch.setattr(loop.Training, "step", fail)
     with pytest.raises(RuntimeError, match="out of memory"):
         train(model_config, replace(run, steps=5), folder, resume=True, progress=False)
     assert (folder / config.CONFIG_FILE).read_text() == before

@@ -68,13 +68,13 @@ def test_signal_while_preparing_stops_at_once_and_leaves_no_run(
 
 
 def test_a_signal_during_the_last_step_ends_nothing_early(corpus, tmp_path, monkeypatch):
-    step = loop._step
+    step = loop.Training.step
 
     def signalled_step(*args):
         os.kill(os.getpid(), signal.SIGINT)  # the loop sees it after this step, the last
         return step(*args)
 
-    monkeypatch.setattr(loop, "_step", signalled_step)
+    monkeypatch.setattr(loop.Training, "step", signalled_step)
     outcome = train(*configs(corpus, steps=1), tmp_path / "run", progress=False)
     assert outcome.stopped_by is None and outcome.step == 1
     assert checkpoint.latest(tmp_path / "run") is not None

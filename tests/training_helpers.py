@@ -14,9 +14,12 @@ from octlm.training.config import RunConfig, resolve
 from octlm.training.metrics import METRICS
 
 TINY_MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
+# float32 on every machine (--dtype auto would pick bfloat16 on one with bfloat16 units): the
+# tests compare losses exactly.
 TINY_RUN = dict(
     steps=6, batch=4, length=16, eval_every=3, eval_batches=2, checkpoint_every=2, keep=10,
-    log_every=1, sample_tokens=4, warmup=2, lr=1e-2,
+    log_every=1, sample_tokens=4, warmup=2, lr=1e-2, dtype="float32", tokenizer="bytes",
+    optimizer="adamw",
 )  # fmt: skip
 
 
@@ -72,5 +75,6 @@ def tiny_flags(corpus: Path, folder: Path, steps: int) -> list[str]:
         "train", "--data", str(corpus), "--out", str(folder), "--steps", str(steps),
         "--width", "16", "--n-layers", "1", "--n-heads", "2", "--batch", "4", "--length", "16",
         "--eval-every", "100000", "--checkpoint-every", "100000", "--log-every", "1",
-        "--eval-batches", "1", "--sample-tokens", "4",
+        "--eval-batches", "1", "--sample-tokens", "4", "--dtype", "float32",
+        "--tokenizer", "bytes", "--optimizer", "adamw",
     ]  # fmt: skip

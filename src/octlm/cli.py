@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import re
 import signal
 import sys
 
@@ -267,11 +268,11 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
         from octlm.training.loop import Interrupted
 
         model_values, run_values = config.explicit_values(args)
-        model_config, run_config = config.resolve(
-            args.preset, args.config, model_values, run_values,
-            resume=args.out if args.resume else None,
-        )  # fmt: skip
+        resume = args.out if args.resume else None
         try:
+            model_config, run_config = config.resolve(
+                args.preset, args.config, model_values, run_values, resume=resume
+            )
             outcome = train(
                 model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
             )
@@ -279,9 +280,14 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
             after = "its checkpoints are as they were" if args.resume else "start it again"
             print(f"octlm train: {interrupted}; {after}", file=sys.stderr)
             return 128 + interrupted.signum
+        except ValueError as error:  # said with the flags the user typed
+            raise ValueError(config.as_flags(str(error))) from None
         if outcome.rank == 0:
             if outcome.val_bits_per_byte is not None:
-                print(f"validation: {outcome.val_bits_per_byte:.3f} bits per byte")
+                print(
+                    f"validation at step {outcome.val_step}: val loss {outcome.val_loss:.4f} "
+                    f"nats per token, {outcome.val_bits_per_byte:.3f} bits per byte"
+                )
             print(f"run folder: {outcome.folder} (step {outcome.step})")
         if outcome.stopped_by is None:
             return 0
@@ -361,10 +367,18 @@ def _export_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
 
 
+class _Parser(argparse.ArgumentParser):
+    """Says a command-line mistake in one line that points to --help, not a usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="octlm", description="Exact attention three ways, checked and measured."
-    )
+    from octlm import __version__
+
+    parser = _Parser(prog="octlm", description="Exact attention three ways, checked and measured.")
+    parser.add_argument("--version", action="version", version=f"octlm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     _verify_parser(commands.add_parser("verify", help="equivalence experiments -> runs/*.jsonl"))
     _bench_parser(commands.add_parser("bench", help="one process per measurement -> runs/"))
@@ -372,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(commands.add_parser("train", help="train a model -> a run folder"))
     _sample_parser(commands.add_parser("sample", help="text from a run folder's checkpoint"))
     _export_parser(commands.add_parser("export", help="a run or model file -> transformers folder"))
+    for verb in commands.choices.values():  # a verb's own parser reports what it does not know
+        verb.set_defaults(parser=verb)
     return parser
 
 
@@ -383,13 +399,32 @@ def main(argv: list[str] | None = None) -> int:
     from octlm.lab.bench.guard import run_stoppable
 
     parser = build_parser()
-    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    args, unknown = parser.parse_known_args(
+        _attached_values(sys.argv[1:] if argv is None else list(argv))
+    )
     if unknown:  # said by the (sub)command that was given them, with its usage
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     exits = getattr(args, "exits", {ValueError: 2})
     kept = getattr(args, "kept", None)
     name = f"octlm {args.command}" + (f" {args.suite}" if args.command == "bench" else "")
     return run_stoppable(name, lambda: args.run(args), exits, kept(args) if kept else None)
+
+
+def _attached_values(argv: list[str]) -> list[str]:
+    """``--option -5m`` as ``--option=-5m``: argparse takes a value that starts with a dash
+    for an option unless it is a plain negative number, and a negative duration is a value
+    (refused by its option's check, with the reason)."""
+    joined = []
+    for argument in argv:
+        if (
+            joined
+            and joined[-1].startswith("--")
+            and re.fullmatch(r"-\d[\d.]*[a-z][\w.]*", argument)
+        ):
+            joined[-1] = f"{joined[-1]}={argument}"
+        else:
+            joined.append(argument)
+    return joined
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""A training run's folder read back: its model at a checkpoint, and its tokenizer."""
+"""A training run's folder read back: its model at a checkpoint, and its tokenizer.
+
+The reading lives with the rest of the run folder's life (:mod:`octlm.training.folder`); these
+entry points load it on first use, so that ``import octlm`` stays light.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from pathlib import Path
 from typing import NamedTuple
 
-from octlm.model import OctLM, is_int_at_least
+from octlm.model import OctLM
 from octlm.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -32,31 +34,7 @@ def load_run(folder: str | os.PathLike, device: str = "cpu", *, step: int | None
 def load_model(
     folder: str | os.PathLike, device: str = "cpu", *, step: int | None = None
 ) -> tuple[OctLM, int]:
-    """The model of a run folder at its latest checkpoint (or the one of ``step``), and that
-    checkpoint's step. A run trained with the Triton kernel runs its PyTorch twin off CUDA (the
-    same function); a ring-attention run runs tiled, its one-process twin."""
-    # The training package is imported here, not with octlm: loading a run is its only use.
-    from octlm.training import checkpoint
-    from octlm.training.config import stored_model
-    from octlm.training.distributed import local_device
-    from octlm.training.sample import single_process
+    """:func:`octlm.training.folder.load_model`: the run's model and its checkpoint's step."""
+    from octlm.training import folder as run_folder  # loaded by the first run read
 
-    folder = Path(folder)
-    model_config = stored_model(folder)
-    if step is None:
-        path = checkpoint.latest(folder)
-        if path is None:
-            raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
-    else:
-        path = checkpoint.path_for(folder, step) if is_int_at_least(step, 0) else None
-        if path is None or not path.is_file():
-            kept = [int(checkpoint.PATTERN.fullmatch(p.name)[1]) for p in checkpoint.listed(folder)]
-            raise ValueError(f"step must be one of the run's checkpoints {kept}, got {step!r}")
-    state = checkpoint.load(path, model_config)
-    device = local_device(device)
-    config = single_process(model_config)
-    if device.type != "cuda" and config.kernel == "triton":  # a GPU run sampled on a CPU
-        config = replace(config, kernel="pytorch")  # the same function, in PyTorch
-    model = OctLM(config)
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), state["step"]
+    return run_folder.load_model(folder, device, step=step)

@@ -22,7 +22,8 @@ from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 from octlm.training.budget import parse_duration
-from octlm.training.optim import OPTIMIZERS
+from octlm.training.optim import DEFAULT_OPTIMIZER, OPTIMIZERS
+from octlm.training.precision import AUTO
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2),
@@ -38,6 +39,8 @@ DEFAULT_STEPS = 1000
 # Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
 # checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
 # dropout: ``INTERCHANGEABLE``) may change with it.
+# What a field meant in a config.json written before the field was stored: the default then.
+PREDATED = {"dtype": "float32", "tokenizer": "bytes", "optimizer": "adamw"}
 RESUMABLE = frozenset(
     {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
@@ -64,9 +67,9 @@ class RunConfig:
     glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
     val_share: float = _option(0.1, "share of documents held out for validation")
     tokenizer: str = _option(
-        "bytes",
-        f"bytes, or bpe: a byte-level BPE of --vocab-size tokens (default {DEFAULT_BPE_VOCAB}) "
-        "trained on the training split",
+        "bpe",
+        f"bpe: a byte-level BPE of --vocab-size tokens (default {DEFAULT_BPE_VOCAB}) trained on "
+        "the training split; or bytes: every byte a token, nothing to train",
         choices=NAMES,
     )
     pack: bool = _switch(
@@ -78,7 +81,8 @@ class RunConfig:
     )
     time_budget: str | None = _option(
         None,
-        "train for this much wall-clock time (90s, 10m, 1h30m): the learning rate's cosine "
+        "train for this much wall-clock time (90s, 10m, 1h30m; a bare number is seconds): the "
+        "learning rate's cosine "
         "follows the training time used (evaluations excluded) and the run ends with an "
         "evaluation and a checkpoint once it is spent; with --steps, at whichever comes first",
     )
@@ -86,7 +90,9 @@ class RunConfig:
     length: int = _option(128, "tokens per sequence")
     accumulate: int = _option(1, "micro-batches per optimizer step on each rank")
     optimizer: str = _option(
-        "adamw", "adamw for all; or muon: Muon for the blocks' matrices, AdamW for the rest"
+        DEFAULT_OPTIMIZER,
+        "muon: Muon for the blocks' matrices, AdamW for the rest (the default where torch has "
+        "torch.optim.Muon, 2.9 or later); or adamw for all",
     )
     lr: float = _option(3e-3, "peak learning rate (of the AdamW part with --optimizer muon)")
     muon_lr: float = _option(6e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
@@ -95,7 +101,12 @@ class RunConfig:
     weight_decay: float = _option(0.1, "weight decay of the matrices (AdamW and Muon)")
     clip: float = _option(1.0, "gradient norm clipping threshold (0: none)")
     seed: int = _option(0, "RNG seed of the weights, batches and dropout")
-    dtype: str = _option("float32", "float32, bfloat16 (autocast) or float16 (autocast, CUDA)")
+    dtype: str = _option(
+        "auto",
+        "auto: bfloat16 autocast where the CPU or GPU has bfloat16 units (AVX512-BF16, AMX, "
+        "Ampere or later), float32 elsewhere; or float32, bfloat16 (autocast), float16 "
+        "(autocast, CUDA)",
+    )
     device: str | None = _option(None, "cpu or cuda (default: cuda when there is one)")
     compile: bool = _switch("torch.compile the model")
     checkpoint_activations: bool = _switch("recompute each block in backward (less memory)")
@@ -123,10 +134,10 @@ class RunConfig:
         positive += ("checkpoint_every", "keep", "log_every")
         for name in positive:
             if not is_int_at_least(getattr(self, name), 1):
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("warmup", "seed", "sample_tokens"):
             if not is_int_at_least(getattr(self, name), 0):
-                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         for field in fields(self):  # a config file could give "false" for false
             value = getattr(self, field.name)
             if field.type == "bool" and not isinstance(value, bool):
@@ -152,8 +163,8 @@ class RunConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
         if self.tokenizer not in NAMES:
             raise ValueError(f"tokenizer must be one of {NAMES}, got {self.tokenizer!r}")
         if self.fsdp and self.context_parallel:
@@ -172,6 +183,18 @@ def parse_device(text: str) -> torch.device:
         return torch.device(text)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {text!r}") from None
+
+
+def local_device(text: str) -> torch.device:
+    """The device ``text`` names on this machine, with an index for CUDA (the current one when
+    none is given); a ValueError when it is malformed or CUDA is not there."""
+    device = parse_device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {text!r}: this machine or torch build has no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -248,7 +271,11 @@ def resolve(
         stored = Path(resume) / CONFIG_FILE
         if not stored.is_file():
             raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
+        stored_run = read_file(stored).get("run", {})
         model, run = _resumed_flags(read_file(stored), preset, file, model or {}, run or {})
+        if run.get("dtype") == AUTO:  # the run keeps the dtype auto resolved to at its start
+            run = {name: value for name, value in run.items() if name != "dtype"}
+        run = {name: value for name, value in PREDATED.items() if name not in stored_run} | run
         preset, file = None, stored
     content = read_file(file) if file is not None else {}
     given = _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
@@ -326,7 +353,7 @@ def _resumed_flags(stored: dict, preset, file, model: dict, run: dict) -> tuple[
             known = {f.name for f in fields(dataclass_)}
             values = _checked_keys(content.get(table, {}), known, f"config {file} [{table}]")
             given |= {(table, name): (value, f"--config {file}") for name, value in values.items()}
-    defaults = _as_json(to_dict(ModelConfig(), RunConfig()))
+    defaults = _as_json(to_dict(ModelConfig(), RunConfig(**PREDATED)))
     changes = {"model": {}, "run": {}}
     for (table, name), (value, source) in given.items():
         if name in (model if table == "model" else run):
@@ -349,10 +376,23 @@ def _as_json(value):
 
 
 def stored_model(folder: str | Path) -> ModelConfig:
-    """The model config a run folder's ``config.json`` holds; ``ValueError`` if it holds none."""
+    """The model config a run folder's ``config.json`` holds; ``ValueError`` if it holds none
+    (naming a transformers folder as one: it loads with ``OctLM.from_pretrained``)."""
     file = Path(folder) / CONFIG_FILE
+    if not Path(folder).exists():
+        raise ValueError(f"run folder {str(folder)!r} does not exist")
     if not file.is_file():
         raise ValueError(f"run folder {str(folder)!r} has no {CONFIG_FILE}: not an octlm run")
+    try:
+        content = json.loads(file.read_text())
+    except ValueError:
+        content = None
+    if isinstance(content, dict) and "model" not in content and "model_type" in content:
+        raise ValueError(
+            f"{str(folder)!r} is a transformers folder, not an octlm run folder: load it with "
+            f"OctLM.from_pretrained({str(folder)!r}), or train from it with octlm train "
+            f"--init-from {folder}"
+        )
     table = read_file(file).get("model")
     known = {f.name for f in fields(ModelConfig)}
     return model_from_dict(_checked_keys(table, known, f"config {file} [model]"))
@@ -410,11 +450,11 @@ def check_compatible(model: ModelConfig, run: RunConfig) -> None:
 def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError naming every field where a resumed run departs from ``stored``.
 
-    A field ``stored`` lacks (the run is older than the field) had its default value.
+    A field ``stored`` lacks (the run is older than the field) had its default value then.
     """
     resolved = _as_json(to_dict(model, run))
     # The stored model resolved: a field it predates gets the default its own sizes imply.
-    defaults = _as_json(to_dict(model_from_dict(stored["model"]), RunConfig()))
+    defaults = _as_json(to_dict(model_from_dict(stored["model"]), RunConfig(**PREDATED)))
     differences = [
         f"{table}.{name}: {was!r} in the run, {value!r} now"
         for table in ("model", "run")
@@ -444,7 +484,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             extras |= {"type": _field_type(field.type), "metavar": field.name.upper()}
             help += "" if field.default is None else f" (default {field.default})"
         if field.name in ("dtype", "optimizer"):
-            extras |= {"choices": list(DTYPES if field.name == "dtype" else OPTIMIZERS)}
+            extras |= {"choices": [AUTO, *DTYPES] if field.name == "dtype" else list(OPTIMIZERS)}
             extras |= {"metavar": None}
         run_group.add_argument(
             _flag(field.name), dest=f"run.{field.name}", default=None, help=help, **extras
@@ -456,16 +496,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
         if field.name == "block":
-            extras = {"type": int, "nargs": "+", "metavar": "B", "help": "B, or BLOCK_Q BLOCK_K"}
+            extras = {"type": int, "nargs": "+", "metavar": "B"}
         if field.name == "attention":
             extras = {"choices": list(IMPLEMENTATIONS)}
         model_group.add_argument(
-            _flag(field.name), dest=f"model.{field.name}", default=None, **extras
+            _flag(field.name),
+            dest=f"model.{field.name}",
+            default=None,
+            help=MODEL_HELP[field.name],
+            **extras,
         )
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# The help of each model flag (ModelConfig's fields; the model's own docstring says more).
+MODEL_HELP = {
+    "vocab_size": "tokens in the vocabulary (bytes: 256; BPE: the size it learns)",
+    "width": "the residual stream's width (embedding size)",
+    "n_layers": "transformer blocks",
+    "n_heads": "query heads per block (width must be a multiple)",
+    "n_kv_heads": "key/value heads (grouped-query attention; default: n_heads)",
+    "max_length": "the longest sequence the model takes, in tokens (default --length); a "
+    "longer one at inference is refused",
+    "attention": "attention implementation (auto picks sdpa or tiled per call)",
+    "block": "tiled's tile: B, or BLOCK_Q BLOCK_K",
+    "kernel": "tiled's kernel: auto (Triton on CUDA when installed), pytorch or triton",
+    "window": "sliding-window attention: each token sees this many (0: no window)",
+    "dropout": "dropout probability in training",
+    "rope_base": "rotary embedding's base",
+    "tied_head": "the output head shares the embedding matrix",
+    "mlp_width": "SwiGLU's hidden width (default 8/3 x width, rounded up to a multiple of 8)",
+    "norm_eps": "RMSNorm's epsilon",
+}
+
+
+def as_flags(message: str) -> str:
+    """A configuration error as the command line says it: a leading field name becomes the
+    flag that sets it (``steps must be ...`` -> ``--steps must be ...``)."""
+    name, space, rest = message.partition(" ")
+    known = {f.name for f in fields(RunConfig)} | {f.name for f in fields(ModelConfig)}
+    return _flag(name) + space + rest if name in known else message
 
 
 def _field_type(annotation: str):

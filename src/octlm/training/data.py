@@ -27,7 +27,7 @@ import json
 import os
 import sysconfig
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -143,9 +143,11 @@ def write_tokens(
     val_share: float,
     folder: str | os.PathLike,
     tokenizer: ByteTokenizer | BPETokenizer | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> dict:
     """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus, encoded by
-    ``tokenizer`` (default: bytes), and where each document starts in them
+    ``tokenizer`` (default: bytes), telling ``progress`` each document's bytes once encoded,
+    and where each document starts in them
     (``folder/train.starts.bin``, ``folder/val.starts.bin``); return the corpus's summary.
 
     The summary (also saved as ``folder/data.json``) counts documents, bytes and tokens per
@@ -163,7 +165,9 @@ def write_tokens(
     summary["dtype"] = token_dtype(tokenizer.vocab_size)
     temporary = {split: folder / f".{split}.bin.tmp" for split in SPLITS}
     try:
-        summary = _write_splits(path, documents, validation, summary, temporary, tokenizer)
+        summary = _write_splits(
+            path, documents, validation, summary, temporary, tokenizer, progress
+        )
     except BaseException:  # nothing half-written stays behind
         for file in temporary.values():
             file.unlink(missing_ok=True)
@@ -174,7 +178,7 @@ def write_tokens(
     return summary
 
 
-def _write_splits(path, documents, validation, summary, temporary, tokenizer) -> dict:
+def _write_splits(path, documents, validation, summary, temporary, tokenizer, progress) -> dict:
     """Write each split's tokens to its ``temporary`` file and its document offsets to their
     final place; the summary counted, or a ValueError for an empty corpus or split."""
     folder, val_share = next(iter(temporary.values())).parent, summary["val_share"]
@@ -197,6 +201,8 @@ def _write_splits(path, documents, validation, summary, temporary, tokenizer) ->
                 summary[f"{split}_documents"] += 1
                 summary[f"{split}_bytes"] += len(part)
                 summary[f"{split}_tokens"] += len(ids)
+            if progress is not None:
+                progress(len(text))
     finally:
         for output in outputs.values():
             output.close()

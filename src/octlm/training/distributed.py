@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from octlm.context_parallel import reduce_gradients
 from octlm.model import OctLM
-from octlm.training.config import parse_device
+from octlm.training.config import local_device
 
 MODES = ("single", "ddp", "fsdp", "context")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,24 @@ class Cluster:
         dist.all_gather_object(found, obj)
         return found
 
+    def on_main(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on rank 0 and return its result on every rank; its ValueError or OSError
+        (a full disk) too, so no rank waits for one that has failed."""
+        result = None
+        if self.is_main:
+            try:
+                result = ("ok", work())
+            except ValueError as error:
+                result = ("error", str(error))
+            except OSError as error:
+                result = ("os", (error.errno, error.strerror, error.filename))
+        result = self.share(result)
+        if result[0] == "error":
+            raise ValueError(result[1])
+        if result[0] == "os":
+            raise OSError(*result[1])
+        return result[1]
+
     def share(self, obj):
         """Rank 0's ``obj`` on every rank (a collective)."""
         if self.world == 1:
@@ -123,18 +143,6 @@ def setup(device: str | None, *, fsdp: bool, context_parallel: bool) -> Cluster:
         return Cluster(0, 1, device, "single", owns_group=False)
     mode = "fsdp" if fsdp else "context" if context_parallel else "ddp"
     return Cluster(dist.get_rank(), dist.get_world_size(), device, mode, owns_group)
-
-
-def local_device(text: str) -> torch.device:
-    """The device ``text`` names on this machine, with an index for CUDA (the current one when
-    none is given); a ValueError when it is malformed or CUDA is not there."""
-    device = parse_device(text)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {text!r}: this machine or torch build has no CUDA device")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def teardown(cluster: Cluster) -> None:

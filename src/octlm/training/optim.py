@@ -74,12 +74,19 @@ class Joint(torch.optim.Optimizer):
             part.load_state_dict({"state": state, "param_groups": own})
 
 
-def orthogonalise(update: Tensor, coefficients: tuple, steps: int, eps: float) -> Tensor:
+def orthogonalise(
+    update: Tensor,
+    coefficients: tuple,
+    steps: int,
+    eps: float,
+    precision: torch.dtype = torch.float32,
+) -> Tensor:
     """``update (A, B)`` made nearly orthogonal by ``steps`` quintic Newton-Schulz iterations in
-    float32 (torch.optim.Muon's iteration and coefficients): its singular values end near 1."""
+    ``precision`` (torch.optim.Muon's iteration and coefficients): its singular values end
+    near 1."""
     a, b, c = coefficients
     tall = update.size(0) > update.size(1)
-    x = update.float().T if tall else update.float()  # (short, long)
+    x = update.to(precision).T if tall else update.to(precision)  # (short, long)
     x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
     for _ in range(steps):
         gram = x @ x.T  # (short, short)
@@ -89,21 +96,28 @@ def orthogonalise(update: Tensor, coefficients: tuple, steps: int, eps: float) -
 
 # torch.optim.Muon came with torch 2.9; with an older torch, --optimizer muon is refused.
 _MUON = getattr(torch.optim, "Muon", torch.optim.Optimizer)
+# The best recipe measured: Muon where torch has it.
+DEFAULT_OPTIMIZER = "adamw" if _MUON is torch.optim.Optimizer else "muon"
 
 
 class Muon(_MUON):
-    """``torch.optim.Muon`` orthogonalising in float32, with the update scaled to AdamW's size.
+    """``torch.optim.Muon`` orthogonalising in ``precision``, with the update scaled to AdamW's
+    size.
 
-    torch's Muon casts each update to bfloat16 for its Newton-Schulz iteration, which pays on
-    GPUs; a CPU without bfloat16 units runs those products several times slower than in
-    float32, and Muon's step then costs more than the model's forward and backward. The
-    momentum, decay, iteration and state (``momentum_buffer``) are torch's; the step size is
-    ``0.2 * sqrt(max(A, B))`` times the rate (torch's ``adjust_lr_fn="match_rms_adamw"``), so
-    the rate and the decay are on AdamW's scale.
+    torch's Muon always casts each update to bfloat16 for its Newton-Schulz iteration, which
+    pays where the hardware has bfloat16 units; a CPU without them runs those products several
+    times slower than in float32, and Muon's step then costs more than the model's forward and
+    backward. So the run picks the precision as it picks its dtype (bfloat16 where the run
+    computes in bfloat16). The momentum, decay, iteration and state (``momentum_buffer``) are
+    torch's; the step size is ``0.2 * sqrt(max(A, B))`` times the rate (torch's
+    ``adjust_lr_fn="match_rms_adamw"``), so the rate and the decay are on AdamW's scale.
     """
 
-    def __init__(self, params, lr: float, weight_decay: float):
+    def __init__(
+        self, params, lr: float, weight_decay: float, precision: torch.dtype = torch.float32
+    ):
         super().__init__(params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        self.precision = precision
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -124,7 +138,11 @@ class Muon(_MUON):
                 buffer.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
                 update = orthogonalise(
-                    update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                    update,
+                    group["ns_coefficients"],
+                    group["ns_steps"],
+                    group["eps"],
+                    self.precision,
                 )
                 param.mul_(1 - group["lr"] * group["weight_decay"])
                 param.add_(update, alpha=-group["lr"] * 0.2 * math.sqrt(max(param.shape)))
@@ -138,9 +156,11 @@ def make_optimizer(
     *,
     optimizer: str = "adamw",
     muon_lr: float | None = None,
+    precision: torch.dtype = torch.float32,
 ) -> torch.optim.Optimizer:
     """AdamW over every parameter, or with ``optimizer="muon"`` :class:`Muon` over the matrices
-    of ``model.blocks`` (at ``muon_lr``) and AdamW over the rest (embedding, head, norms).
+    of ``model.blocks`` (at ``muon_lr``, orthogonalising in ``precision``) and AdamW over the
+    rest (embedding, head, norms).
 
     Weight decay applies to matrices, not to norm gains: decaying a gain pulls it towards zero
     for no benefit; matrices are where the parameters, and the overfitting, are.
@@ -168,6 +188,7 @@ def make_optimizer(
         [p for p in parameters if id(p) in matrices],
         lr=lr if muon_lr is None else muon_lr,
         weight_decay=weight_decay,
+        precision=precision,
     )
     return Joint([adamw, muon])
 

@@ -147,6 +147,7 @@ def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 3)
                 data=str(corpus), length=length, batch=TOKENS_PER_STEP // length,
                 steps=2 * steps + 1, log_every=steps, eval_every=10**6,
                 checkpoint_every=10**6, eval_batches=1, sample_tokens=0,
+                tokenizer="bytes",  # the bare loop draws byte tokens
             )  # fmt: skip
             model_config, run = resolve(run=run_values)
             loop, bare = [], []
@@ -214,6 +215,8 @@ def _train_attention(corpus, folder, name, length, packed, dtype, half) -> dict:
         "--pack" if packed else "--no-pack", "--dtype", dtype, "--steps", str(2 * half),
         "--log-every", str(half), "--eval-every", str(10**6), "--checkpoint-every", str(10**6),
         "--eval-batches", "1", "--sample-tokens", "0",
+        # fixed, not the defaults: the records compare attentions across the same recipe
+        "--tokenizer", "bytes", "--optimizer", "adamw",
     ]  # fmt: skip
     finished = subprocess.run(command, capture_output=True, text=True)
     record = records.make("check", "train-attention") | {

@@ -1,0 +1,303 @@
+"""A run folder's whole life: made and locked, checked, cleared for ``--overwrite``, read back
+(``octlm.load_run`` reads it through :func:`load_model`).
+
+A run folder holds ``config.json`` (which makes it a run), the token files under ``data/``,
+the run's tokenizer, ``metrics.jsonl`` with its picture, the last checkpoints, and the lock of
+the run that holds it (:mod:`octlm.training.lock`). ``config.json`` is written only once
+everything before the first step has worked; until then the folder carries ``PREPARING``, and
+a start that did not get that far is cleared by the next one. Whoever holds the lock also
+removes what a killed write of a run's own left behind (a checkpoint's temporary file), so
+nothing of a crash stays for good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from octlm.model import ModelConfig, OctLM, is_int_at_least
+from octlm.tokenizer import STORING as STORING_TOKENIZER
+from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
+from octlm.training import checkpoint, data, lock
+from octlm.training.config import (
+    CONFIG_FILE,
+    RunConfig,
+    check_resumable,
+    local_device,
+    read_file,
+    stored_model,
+    to_dict,
+)
+from octlm.training.metrics import METRICS, PICTURE
+from octlm.training.sample import single_process
+
+DATA_FOLDER = "data"
+# Marks a run folder that octlm made and has not yet brought to its first step.
+PREPARING = ".octlm-preparing"
+# config.json while it is written (then renamed into place).
+STORING = f".{CONFIG_FILE}.tmp"
+# Temporary files of a run's own writers, which a killed process leaves behind.
+TEMPORARIES = {STORING, STORING_TOKENIZER, f".{METRICS}.tmp"}
+# Everything a run writes in its folder, checkpoints aside.
+RUN_ENTRIES = {
+    CONFIG_FILE,
+    PREPARING,
+    DATA_FOLDER,
+    METRICS,
+    PICTURE,
+    TOKENIZER_FILE,
+    lock.LOCK_FILE,
+}
+RUN_ENTRIES |= TEMPORARIES
+
+
+@contextlib.contextmanager
+def hold(folder: Path, cluster):
+    """The run folder's lock, held by rank 0 of ``cluster`` for the run's life. Every rank
+    waits until rank 0 holds it, and all raise its ValueError when it is refused."""
+    held = []
+    cluster.on_main(lambda: held.append(lock.acquire(folder)))
+    try:
+        yield
+    finally:
+        ours = (folder / PREPARING).exists() or (folder / CONFIG_FILE).exists()
+        for folder_lock in held:  # rank 0's
+            folder_lock.release(keep=ours)
+
+
+def prepare(
+    folder: Path,
+    model_config: ModelConfig,
+    run: RunConfig,
+    resume: bool,
+    overwrite: bool,
+    progress: bool = False,
+) -> dict:
+    """Check or create the held run folder and write the token files (saying so on stderr with
+    ``progress``: a large corpus takes a while); their summary.
+
+    ``config.json`` is written by :func:`store_config` once the run reaches its first step.
+    """
+    bpe = None
+    if run.init_from is not None and not resume:  # refused before the folder is touched
+        from octlm.integrations.tokenizer_files import bpe_file
+
+        bpe = bpe_file(run.init_from, model_config.vocab_size)
+    if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
+        shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
+        for name in (CONFIG_FILE, TOKENIZER_FILE, PREPARING, *TEMPORARIES):
+            (folder / name).unlink(missing_ok=True)
+    if (folder / CONFIG_FILE).is_file():  # a run's folder: a killed write's leftovers go
+        remove_temporaries(folder)
+    if resume:
+        _check_resumable(folder, model_config, run)
+    elif any(entry.name != lock.LOCK_FILE for entry in folder.iterdir()):
+        if not overwrite:
+            raise ValueError(
+                f"run folder {str(folder)!r} is not empty: pass --resume to continue its run "
+                "or --overwrite to start it again"
+            )
+        _check_overwritable(folder)
+        for entry in folder.iterdir():  # all but the lock, which this run holds
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.name != lock.LOCK_FILE:
+                entry.unlink()
+    if not resume:  # this folder is empty and ours: marked, so a failed start can be cleared
+        (folder / PREPARING).touch()
+    if bpe is not None:  # the run keeps the tokenizer its weights were trained with
+        shutil.copyfile(bpe, folder / TOKENIZER_FILE)
+    summary = data.read_summary(folder / DATA_FOLDER)
+    if summary is None and resume:
+        raise ValueError(
+            f"--resume: {str(folder / DATA_FOLDER / data.SUMMARY)!r} is missing, so the run's "
+            "token files cannot be checked; start the run again (--overwrite)"
+        )
+    if summary is None:
+        summary = _write_tokens(folder, model_config, run, bpe is not None, progress)
+    _check_tokenizer(folder, summary, model_config, run)
+    return summary
+
+
+def _check_resumable(folder: Path, model_config: ModelConfig, run: RunConfig) -> None:
+    """Raise ValueError unless ``folder`` holds a run that ``--resume`` can continue as given."""
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"--resume: {str(folder)!r} holds no run (no {CONFIG_FILE})")
+    check_resumable(read_file(config_path), model_config, run)
+    if checkpoint.latest(folder) is None:
+        raise ValueError(
+            f"--resume: {str(folder)!r} has no checkpoint to resume from (the run stopped "
+            "before its first one): start it again with --overwrite"
+        )
+
+
+def _write_tokens(
+    folder: Path, model_config: ModelConfig, run: RunConfig, imported: bool, progress: bool
+) -> dict:
+    """The corpus tokenized into ``folder/data`` by the run's tokenizer (an ``imported`` one is
+    in the folder already; a BPE is trained on the training split and saved); the summary."""
+    source, glob = data.default_corpus()
+    source, glob = (source, glob) if run.data is None else (run.data, run.glob or data.DEFAULT_GLOB)
+    glob = run.glob or glob
+    if imported:  # the imported tokenizer, not one trained on this corpus
+        tokenizer = BPETokenizer.from_file(folder / TOKENIZER_FILE)
+    elif run.tokenizer == "bpe":
+        if progress:
+            print(
+                f"training a byte-level BPE of {model_config.vocab_size:,} tokens on the "
+                f"training split of {source} ...",
+                file=sys.stderr,
+                flush=True,
+            )
+        texts = data.training_texts(source, glob, run.val_share)
+        try:
+            tokenizer = BPETokenizer.train(texts, model_config.vocab_size)
+        except ValueError as error:  # a corpus too small for the vocabulary
+            raise ValueError(f"{error}; or --tokenizer bytes, which learns nothing") from None
+    else:
+        tokenizer = ByteTokenizer()
+    bar = tqdm(
+        desc=f"tokenising {source}", unit="B", unit_scale=True, leave=False, disable=not progress
+    )
+    with bar:
+        summary = data.write_tokens(
+            source, glob, run.val_share, folder / DATA_FOLDER, tokenizer, progress=bar.update
+        )
+    if not imported:  # an imported tokenizer.json is already there, as it came
+        tokenizer.save(folder)
+    return summary
+
+
+def store_config(folder: Path, model_config: ModelConfig, run: RunConfig) -> None:
+    """Write ``config.json`` atomically and durably: a temporary file, fsynced, renamed."""
+    stored = folder / STORING
+    with stored.open("w") as out:
+        out.write(json.dumps(to_dict(model_config, run), indent=2) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(stored, folder / CONFIG_FILE)
+
+
+def begun(folder: Path, model_config: ModelConfig, run: RunConfig) -> None:
+    """The start worked up to its first step: the folder becomes a run (``config.json``)."""
+    store_config(folder, model_config, run)
+    (folder / PREPARING).unlink()
+
+
+def remove_temporaries(folder: Path) -> list[str]:
+    """Delete the temporary files a killed write of the run's own left in ``folder`` (a
+    checkpoint's ``.checkpoint-N.pt.<hex>.tmp``, config.json's, metrics'); their names. Only the
+    run folder's holder may call it: a live writer's file would go too."""
+    removed = []
+    for entry in folder.iterdir():
+        kind = checkpoint.TEMPORARY.fullmatch(entry.name) or entry.name in TEMPORARIES
+        if kind and entry.is_file() and not entry.is_symlink():
+            entry.unlink()
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+def _check_tokenizer(folder: Path, summary: dict, model_config: ModelConfig, run) -> None:
+    """Raise ValueError unless the token files (``data.json``) and the run folder's tokenizer
+    are those the run's configuration names: its tokenizer and vocabulary."""
+    tokenizer = load_tokenizer(folder)
+    expected = (run.tokenizer, model_config.vocab_size)
+    found = {
+        f"{DATA_FOLDER}/{data.SUMMARY}": (summary["tokenizer"], summary["vocab_size"]),
+        "the run folder's tokenizer": (tokenizer.name, tokenizer.vocab_size),
+    }
+    wrong = [
+        f"{where} has {name} of {size} tokens"
+        for where, (name, size) in found.items()
+        if (name, size) != expected
+    ]
+    if wrong:
+        raise ValueError(
+            f"run folder {str(folder)!r} is for tokenizer {expected[0]} of vocab_size "
+            f"{expected[1]}, but " + " and ".join(wrong) + "; start the run again (--overwrite)"
+        )
+
+
+def _unfinished(folder: Path) -> bool:
+    """Whether ``folder`` is a start of octlm's that never reached its first step: marked when
+    it was made (empty) and holding nothing but what that start writes."""
+    if not (folder / PREPARING).is_file():
+        return False
+    own = {PREPARING, CONFIG_FILE, TOKENIZER_FILE, DATA_FOLDER, lock.LOCK_FILE, *TEMPORARIES}
+    return not _foreign_entries(folder, own)
+
+
+def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> list[str]:
+    """What in ``folder`` octlm did not write: entries not named in ``own`` (nor checkpoints,
+    with ``checkpoints``), files of the data folder that are not token files, and a data
+    "folder" that is a file."""
+    found = []
+    for entry in folder.iterdir():
+        if entry.name == DATA_FOLDER:
+            if not entry.is_dir():  # a file where the token files go
+                found.append(entry.name)
+                continue
+            inside = (e.name for e in entry.iterdir() if e.name not in data.OWN_FILES)
+            found += [f"{DATA_FOLDER}/{name}" for name in inside]
+        elif entry.name not in own and not (checkpoints and checkpoint.is_own(entry.name)):
+            found.append(entry.name)
+    return sorted(found)
+
+
+def _check_overwritable(folder: Path) -> None:
+    """Raise ValueError unless ``folder`` is a run of octlm's holding nothing else, so that
+    ``--overwrite`` may delete it whole."""
+    try:
+        stored = read_file(folder / CONFIG_FILE)
+    except ValueError:
+        stored = {}
+    if set(stored) != {"model", "run"}:
+        raise ValueError(
+            f"--overwrite clears only run folders, and {str(folder)!r} has no octlm {CONFIG_FILE}"
+        )
+    foreign = _foreign_entries(folder, RUN_ENTRIES, checkpoints=True)
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise ValueError(
+            f"--overwrite clears only what octlm wrote, and {str(folder)!r} also holds "
+            f"{', '.join(foreign[:5])}{more}: "
+            "move them out or choose another --out"
+        )
+
+
+# --- read back ---------------------------------------------------------------------------------
+
+
+def load_model(
+    folder: str | os.PathLike, device: str = "cpu", *, step: int | None = None
+) -> tuple[OctLM, int]:
+    """The model of a run folder at its latest checkpoint (or the one of ``step``), and that
+    checkpoint's step. A run trained with the Triton kernel runs its PyTorch twin off CUDA (the
+    same function); a ring-attention run runs tiled, its one-process twin."""
+    folder = Path(folder)
+    model_config = stored_model(folder)
+    if step is None:
+        path = checkpoint.latest(folder)
+        if path is None:
+            raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
+    else:
+        path = checkpoint.path_for(folder, step) if is_int_at_least(step, 0) else None
+        if path is None or not path.is_file():
+            kept = [int(checkpoint.PATTERN.fullmatch(p.name)[1]) for p in checkpoint.listed(folder)]
+            raise ValueError(f"step must be one of the run's checkpoints {kept}, got {step!r}")
+    state = checkpoint.load(path, model_config)
+    device = local_device(device)
+    config = single_process(model_config)
+    if device.type != "cuda" and config.kernel == "triton":  # a GPU run sampled on a CPU
+        config = replace(config, kernel="pytorch")  # the same function, in PyTorch
+    model = OctLM(config)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), state["step"]
