@@ -14,6 +14,7 @@ permissions follow the umask, as any new file's do.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -179,7 +180,12 @@ def export_gguf(
         try:
             _permissions_of_a_new_file(staging)
             bpe = None if tokenizer == BYTES else tokenizer
-            gguf_format.write(staging, model.config, model.state_dict(), bpe, dtype)
+            try:
+                gguf_format.write(staging, model.config, model.state_dict(), bpe, dtype)
+            except OSError as error:  # numpy's tofile says only "N requested and 0 written"
+                if error.errno is None and os.statvfs(out.parent).f_bavail == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from None
+                raise
             _sync(staging)
             os.replace(staging, out)
             _sync(out.parent)

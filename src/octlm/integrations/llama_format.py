@@ -145,6 +145,11 @@ def read_config(folder: str | os.PathLike) -> dict:
     """The ``ModelConfig`` fields of a transformers folder's ``config.json`` of the Llama family;
     ``ValueError`` naming a key whose value octlm cannot compute exactly."""
     path = Path(folder) / CONFIG
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise ValueError(
+            f"{str(folder)!r} is a file, not a transformers folder (a folder with {CONFIG} and "
+            f"{WEIGHTS}); a file saved with OctLM.save loads with OctLM.load"
+        )
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
