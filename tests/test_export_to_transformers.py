@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from octlm import ModelConfig, OctLM  # noqa: E402
 from octlm.cli import main  # noqa: E402
-from octlm.export import export  # noqa: E402
+from octlm.export import export, export_model  # noqa: E402
 from tests.transformers_folders import (  # noqa: E402
     TEXTS,
     make_run,
@@ -137,6 +138,43 @@ def test_bpe_run_exports_its_tokenizer_and_model(architecture, tmp_path):
         logits = theirs(ids).logits
     reference = reference_logits(models[4], ids)
     assert (logits.double() - reference).abs().max().item() <= rope_tolerance(reference)
+
+
+def test_the_end_of_text_token_is_named_and_ends_generation(tmp_path):
+    """A BPE of octlm's own training: its end token is the export's eos everywhere, no token
+    is added to a text, and --init-from takes the folder's tokenizer, end token and all."""
+    from octlm.integrations.tokenizer_files import bpe_file
+    from octlm.tokenizer import END_OF_TEXT, BPETokenizer
+    from octlm.training.sample import generate_text
+
+    texts = [text.replace(END_OF_TEXT, "").encode() for text in TEXTS] * 20
+    bpe = BPETokenizer.train(texts, 300)
+    bpe.save(tmp_path)
+    end = bpe.end_token
+    config = replace(CONFIG, vocab_size=300, tied_head=False)
+    model = make_run(tmp_path / "run", config, tokenizer=tmp_path / "tokenizer.json")[4]
+    ids = bpe.encode(b"def ")
+    with torch.no_grad():  # the head row of the end token: 1.5 x that of the 6th greedy token
+        sixth = model.generate(torch.tensor([ids]), 6)[0, -1]
+        model.head.weight[end] = 1.5 * model.head.weight[sixth]
+    export_model(model, tmp_path / "out", tokenizer=tmp_path / "tokenizer.json")
+    read = {name: json.loads((tmp_path / "out" / name).read_text()) for name in (
+        "config.json", "generation_config.json", "tokenizer_config.json")}  # fmt: skip
+    assert read["config.json"]["eos_token_id"] == end == 299
+    assert read["generation_config.json"]["eos_token_id"] == end
+    assert read["tokenizer_config.json"]["eos_token"] == END_OF_TEXT
+    assert read["tokenizer_config.json"]["add_bos_token"] is False
+    assert read["tokenizer_config.json"]["add_eos_token"] is False
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer.eos_token_id == end and tokenizer("def ")["input_ids"] == ids
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        drawn = theirs.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)
+    drawn = drawn[0, len(ids) :].tolist()
+    assert drawn[-1] == end and end not in drawn[:-1] and len(drawn) <= 6  # it stopped there
+    ours = generate_text(model, "def ", 30, tokenizer=bpe)
+    assert ours == (b"def " + bpe.decode(drawn[:-1])).decode(errors="replace")
+    assert bpe_file(tmp_path / "out", 300) == tmp_path / "out" / "tokenizer.json"
 
 
 BLOCKED = """

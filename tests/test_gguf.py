@@ -270,7 +270,6 @@ def test_llama_cpp_completion_stops_at_the_end_of_text_and_nowhere_else(tmp_path
     prompt = "def f(x):"
     ids = bpe.encode(prompt.encode())
     model = ending_model(model, bpe.end_token, ids, 12)
-    model.save(tmp_path / "model.pt")  # the run's tokenizer, with this head
     from octlm.export import export_gguf
 
     export_gguf(model, tmp_path / "model.gguf", tokenizer=run / "tokenizer.json")
