@@ -302,6 +302,8 @@ def test_a_run_without_an_end_token_says_so(bpe_run, tmp_path, capsys):
     spec["model"]["vocab"]["ĠĠĠĠĠĠĠĠĠĠĠĠ"] = spec["added_tokens"].pop()["id"]
     (folder / TOKENIZER_FILE).write_text(json.dumps(spec))
     assert load_tokenizer(folder).end_token is None
+    model_config, run = resolve(run={"steps": 6}, resume=folder)
+    assert train(model_config, run, folder, resume=True, progress=False).step == 6
     assert main(["sample", str(folder), "--prompt", "def", "--max-new-tokens", "5"]) == 0
     assert "no end-of-text token (a BPE run trained before it existed)" in capsys.readouterr().err
     assert main(["export", str(folder), str(tmp_path / "out")]) == 0
