@@ -8,7 +8,9 @@ Tiny models with random peaked weights, written as run folders by hand; nothing 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -138,6 +140,43 @@ def test_bpe_run_exports_its_tokenizer_and_model(architecture, tmp_path):
     assert (logits.double() - reference).abs().max().item() <= rope_tolerance(reference)
 
 
+def test_the_end_of_text_token_is_named_and_ends_generation(tmp_path):
+    """A BPE of octlm's own training: its end token is the export's eos everywhere, no token
+    is added to a text, and --init-from takes the folder's tokenizer, end token and all."""
+    from octlm.integrations.tokenizer_files import bpe_file
+    from octlm.tokenizer import END_OF_TEXT, BPETokenizer
+    from octlm.training.sample import generate_text
+
+    texts = [text.replace(END_OF_TEXT, "").encode() for text in TEXTS] * 20
+    bpe = BPETokenizer.train(texts, 300)
+    bpe.save(tmp_path)
+    end = bpe.end_token
+    config = replace(CONFIG, vocab_size=300, tied_head=False)
+    model = make_run(tmp_path / "run", config, tokenizer=tmp_path / "tokenizer.json")[4]
+    ids = bpe.encode(b"def ")
+    with torch.no_grad():  # the head row of the end token: 1.5 x that of the 6th greedy token
+        sixth = model.generate(torch.tensor([ids]), 6)[0, -1]
+        model.head.weight[end] = 1.5 * model.head.weight[sixth]
+    export_model(model, tmp_path / "out", tokenizer=tmp_path / "tokenizer.json")
+    read = {name: json.loads((tmp_path / "out" / name).read_text()) for name in (
+        "config.json", "generation_config.json", "tokenizer_config.json")}  # fmt: skip
+    assert read["config.json"]["eos_token_id"] == end == 299
+    assert read["generation_config.json"]["eos_token_id"] == end
+    assert read["tokenizer_config.json"]["eos_token"] == END_OF_TEXT
+    assert read["tokenizer_config.json"]["add_bos_token"] is False
+    assert read["tokenizer_config.json"]["add_eos_token"] is False
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer.eos_token_id == end and tokenizer("def ")["input_ids"] == ids
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        drawn = theirs.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)
+    drawn = drawn[0, len(ids) :].tolist()
+    assert drawn[-1] == end and end not in drawn[:-1] and len(drawn) <= 6  # it stopped there
+    ours = generate_text(model, "def ", 30, tokenizer=bpe)
+    assert ours == (b"def " + bpe.decode(drawn[:-1])).decode(errors="replace")
+    assert bpe_file(tmp_path / "out", 300) == tmp_path / "out" / "tokenizer.json"
+
+
 BLOCKED = """
 import sys
 
@@ -217,21 +256,64 @@ def test_cli_exports_once_and_refuses_a_folder_that_holds_something(exported, tm
     assert "does not exist: expected a run folder or a model file" in capsys.readouterr().err
 
 
-def test_a_failed_export_leaves_no_folder_and_no_temporary_one(monkeypatch, tmp_path, capsys):
-    from octlm.integrations import llama_format
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str):
+    """A tmpfs of ``size`` mounted on ``folder``: a real filesystem that fills up; the test is
+    skipped where mounting is not permitted."""
+    folder.mkdir()
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+            capture_output=True,
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command here")
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(llama_format, "save_file", full_disk)
+# Pages of 4 KiB: the export of CONFIG is 2 small JSON files, 32 pages of weights, then the
+# tokenizer files, so these sizes run out at each of the files in turn (and in the GGUF file).
+@pytest.mark.parametrize(
+    "size, out", [("4k", "out"), ("8k", "out"), ("64k", "out"), ("136k", "out"),
+                  ("140k", "out"), ("64k", "model.gguf")],
+)  # fmt: skip
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, size, out):
     model = peaked(OctLM(CONFIG))
-    with pytest.raises(OSError, match="No space left"):
-        export_model(model, tmp_path / "out")
-    assert list(tmp_path.iterdir()) == []
     model.save(tmp_path / "model.pt")
-    assert main(["export", str(tmp_path / "model.pt"), str(tmp_path / "out")]) == 1
-    assert "No space left on device" in capsys.readouterr().err
-    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    with small_disk(tmp_path / "disk", size) as disk:
+        assert main(["export", str(tmp_path / "model.pt"), str(disk / out)]) == 1
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and "No space left on device" in error, error
+        assert list(disk.iterdir()) == []
+
+
+def test_every_exported_file_follows_the_umask(tmp_path):
+    peaked(OctLM(CONFIG)).save(tmp_path / "model.pt")
+    previous = os.umask(0o022)
+    try:
+        export(tmp_path / "model.pt", tmp_path / "out")
+        export(tmp_path / "model.pt", tmp_path / "model.gguf")
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "model.gguf").stat().st_mode & 0o777 == 0o644
+
+
+def test_an_output_under_a_file_is_refused_in_one_line(exported, tmp_path, capsys):
+    run, _models, _out = exported
+    (tmp_path / "a-file").write_text("")
+    for out in ("a-file/out", "a-file/deeper/out", "a-file/model.gguf"):
+        assert main(["export", str(run), str(tmp_path / out)]) == 2
+        error = capsys.readouterr().err
+        assert f"{str(tmp_path / 'a-file')!r} is a file, not a folder" in error
+        assert error.count("\n") == 1
 
 
 SLOW_WRITE = """
@@ -240,12 +322,11 @@ from pathlib import Path
 from octlm.cli import main
 from octlm.integrations import llama_format
 
-def slow(tensors, path, metadata=None):
-    Path(path).write_bytes(b"partial")
+def slow(tensors, metadata=None):
     Path(sys.argv[3]).touch()
     time.sleep(60)
 
-llama_format.save_file = slow
+llama_format.save = slow
 sys.exit(main(["export", sys.argv[1], sys.argv[2]]))
 """
 

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 
-from octlm import OctLM  # noqa: E402
+from octlm import ModelConfig, OctLM  # noqa: E402
 from octlm.export import export_model  # noqa: E402
 from tests.transformers_folders import rope_tolerance  # noqa: E402
 
@@ -168,3 +168,10 @@ def test_a_folder_without_one_safetensors_file_is_refused(llama_folder, tmp_path
         OctLM.from_pretrained(folder)
     with pytest.raises(ValueError, match=r"has no config.json: not a transformers folder"):
         OctLM.from_pretrained(tmp_path)
+
+
+def test_a_file_is_refused_as_no_folder(llama_folder, tmp_path):
+    OctLM(ModelConfig(width=32, n_layers=1, n_heads=4)).save(tmp_path / "model.pt")
+    for path in (tmp_path / "model.pt", llama_folder / "config.json"):
+        with pytest.raises(ValueError, match=r"is a file, not a transformers folder"):
+            OctLM.from_pretrained(path)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from octlm.tokenizer import (
+    END_OF_TEXT,
     TOKENIZER_FILE,
     BPETokenizer,
     ByteTokenizer,
@@ -115,10 +116,49 @@ def test_a_folder_gives_its_tokenizer(bpe, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [TOKENIZER_FILE]  # no temporary file
 
 
+def test_the_end_of_text_is_the_last_id_and_no_text(bpe, library):
+    """The one special token: the last id, standing for no bytes; octlm reads its spelling in
+    a text as text, the library's file as the token (as GPT-2's does)."""
+    end = VOCAB - 1
+    assert bpe.end_token == end and library.token_to_id(END_OF_TEXT) == end
+    assert bpe.decode([end]) == b"" and int(bpe.token_bytes[end]) == 0
+    text = f"x = '{END_OF_TEXT}'".encode()
+    assert end not in bpe.encode(text) and bpe.decode(bpe.encode(text)) == text
+    assert end in library.encode(text.decode()).ids
+    assert ByteTokenizer().end_token is None
+
+
+def test_a_bpe_from_before_the_end_token_still_loads(bpe, tmp_path):
+    spec = json.loads(bpe._tokenizer.to_str())
+    spec["added_tokens"] = []  # a vocabulary of byte symbols and merges only
+    (tmp_path / TOKENIZER_FILE).write_text(json.dumps(spec))
+    old = load_tokenizer(tmp_path)
+    assert (old.end_token, old.vocab_size) == (None, VOCAB - 1)
+    assert all(old.encode(text) == bpe.encode(text) for text in training_texts())
+    spec["added_tokens"] = [
+        {**json.loads(bpe._tokenizer.to_str())["added_tokens"][0], "content": "<pad>"}
+    ]
+    (tmp_path / TOKENIZER_FILE).write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"check added_tokens.*other than the one special"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("tokenizer", ["missing", "another"])
+def test_a_run_whose_tokenizer_does_not_fit_its_model_is_refused(bpe, tmp_path, tokenizer):
+    """A BPE run without its tokenizer.json would read as bytes: both sizes are named."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"vocab_size": VOCAB + 20}}))
+    if tokenizer == "another":
+        bpe.save(tmp_path)
+    found = f"{TOKENIZER_FILE} has {VOCAB}" if tokenizer == "another" else "bytes \\(256\\)"
+    with pytest.raises(ValueError, match=rf"vocabulary of {VOCAB + 20} tokens but .*{found}"):
+        load_tokenizer(tmp_path)
+
+
 @pytest.mark.parametrize(
     "texts, vocab_size, match",
     [
-        ([b"abab"], VOCAB, "yields only 258 tokens"),
+        ([b"abab"], VOCAB, r"yields only 259 tokens .* at most 259"),  # ab, abab, the end
+        ([b"a", b"b"], VOCAB, r"no pair of symbols to merge.*--tokenizer bytes"),
         (training_texts(), 256, "above 256"),
         (training_texts(), 2**32 + 1, "at most 2"),
         (training_texts(), "300", "must be an int, got '300'"),

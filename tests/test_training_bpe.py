@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from octlm import load_run
 from octlm.cli import main
+from octlm.model import ModelConfig, OctLM
 from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import data, train
 from octlm.training.config import resolve
@@ -94,6 +95,13 @@ def test_token_files_decode_to_every_document(bpe_run):
     decoded = sorted(split_documents(bpe_run, "train") + split_documents(bpe_run, "val"))
     corpus = bpe_run.parent / "corpus"
     assert decoded == sorted(p.read_bytes() for p in corpus.rglob("*.txt"))  # \xff\xc3( too
+    end = load_tokenizer(bpe_run).end_token
+    assert summary["end_token"] == end == VOCAB - 1
+    for split in data.SPLITS:  # each document ends with the end of text, and only there
+        tokens = data.load_tokens(bpe_run / "data", split, 1)
+        starts = data.load_starts(bpe_run / "data", split)
+        ends = torch.cat([starts[1:], torch.tensor([len(tokens)])]) - 1
+        assert torch.equal((tokens == end).nonzero().flatten(), ends)
 
 
 def test_the_tokenizer_learns_from_the_training_split_only(tmp_path):
@@ -190,13 +198,25 @@ def test_resume_refuses_another_tokenizer(bpe_run, tmp_path, capsys, flags, name
     assert named in error and error.count("\n") == 1
 
 
-def test_resume_refuses_a_folder_whose_tokenizer_is_gone(bpe_run, tmp_path):
+def test_a_folder_whose_tokenizer_is_gone_is_refused_everywhere(bpe_run, tmp_path, capsys):
+    """Resume, load_run, sample and export name both sizes rather than read bytes."""
     folder = tmp_path / "run"
     shutil.copytree(bpe_run, folder)
-    (folder / TOKENIZER_FILE).unlink()  # the folder now reads as a byte run
+    (folder / TOKENIZER_FILE).unlink()  # the folder would read as a byte run
+    sizes = rf"vocabulary of {VOCAB} tokens but .* bytes \(256\)"
     model_config, run = resolve(run={"steps": 6}, resume=folder)
-    with pytest.raises(ValueError, match="the run folder's tokenizer has bytes of 256 tokens"):
+    with pytest.raises(ValueError, match=sizes):
         train(model_config, run, folder, resume=True, progress=False)
+    with pytest.raises(ValueError, match=sizes):
+        load_run(folder)
+    for verb in (
+        ["sample", str(folder), "--prompt", "x"],
+        ["export", str(folder), str(tmp_path / "out")],
+    ):
+        assert main(verb) == 2
+        error = capsys.readouterr().err
+        assert re.search(sizes, error) and error.count("\n") == 1, error
+    assert not (tmp_path / "out").exists()
 
 
 def test_packed_rows_of_bpe_tokens_keep_to_their_documents(bpe_run):
@@ -213,6 +233,84 @@ def test_packed_rows_of_bpe_tokens_keep_to_their_documents(bpe_run):
             piece = tokenizer.decode(inputs[ids == document].tolist())
             assert piece in documents[document]
     assert (batch.document_ids[:, 1:] != batch.document_ids[:, :-1]).any()  # rows hold several
+
+
+def test_a_single_file_s_head_gets_no_end_of_text(tmp_path):
+    """The head of one file held out at its tail is no document's end; the tail is."""
+    corpus = tmp_path / "one.txt"
+    corpus.write_text("".join(WORDS * 40))
+    folder = tmp_path / "run"
+    train(*configs(corpus, {"vocab_size": 270}, steps=1, val_share=0.2), folder, progress=False)
+    end = load_tokenizer(folder).end_token
+    train_tokens = data.load_tokens(folder / "data", "train", 1)
+    val_tokens = data.load_tokens(folder / "data", "val", 1)
+    assert not (train_tokens == end).any()
+    assert (val_tokens == end).nonzero().flatten().tolist() == [len(val_tokens) - 1]
+
+
+def greedy_rows(model, prompt, count):
+    """Greedy continuations of each prompt row on its own ``(B, count)``, no end token."""
+    return torch.cat([model.generate(row[None], count)[:, prompt.shape[1] :] for row in prompt])
+
+
+def test_generation_stops_each_row_at_the_end_token():
+    """A row that draws the end token repeats it; generation stops when every row has."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=8, width=16, n_layers=1, n_heads=2, tied_head=False)
+    model = OctLM(config).eval()
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 0, 1]])  # (3, 3)
+    free = greedy_rows(model, prompt, 20)  # (3, 20)
+    end = int(free[0, 2])  # the first row draws it third
+    first = [row.tolist().index(end) if end in row else None for row in free]
+    got = model.generate(prompt, 20, end_token=end)[:, 3:]  # (3, n)
+    length = 20 if None in first else max(first) + 1
+    assert got.shape == (3, length)
+    for row, place in zip(range(3), first, strict=True):
+        cut = length if place is None else place + 1
+        assert torch.equal(got[row, :cut], free[row, :cut])
+        assert (got[row, cut:] == end).all()
+
+
+class EndingBytes(ByteTokenizer):
+    """Bytes, with one of them taken as the end of text."""
+
+    def __init__(self, end: int):
+        self.end_token = end
+
+
+def test_sampled_text_stops_at_the_end_token_unless_told_to_go_on():
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=256, width=16, n_layers=1, n_heads=2, tied_head=False)
+    model = OctLM(config).eval()
+    free = greedy_rows(model, torch.tensor([list(b"def ")]), 30)[0].tolist()
+    end = free[10]
+    place = free.index(end)
+    assert end not in b"def " and free.count(end) > 1  # it ends the text, and comes again
+    ending = EndingBytes(end)
+    text = generate_text(model, "def ", 30, tokenizer=ending)
+    assert text == "def " + bytes(free[:place]).decode(errors="replace")
+    went_on = generate_text(model, "def ", 30, tokenizer=ending, stop=False)
+    pieces = [bytes(free[:place]), *bytes(free[place + 1 :]).split(bytes([end]))]
+    assert went_on == "def " + b"<|endoftext|>".join(pieces).decode(errors="replace")
+
+
+def test_a_run_without_an_end_token_says_so(bpe_run, tmp_path, capsys):
+    """A BPE run from before end tokens (its last id a plain token) samples and exports as it
+    did, without an end token, and says so; a byte run too."""
+    folder = tmp_path / "old"
+    shutil.copytree(bpe_run, folder)
+    spec = json.loads((folder / TOKENIZER_FILE).read_text())
+    spec["model"]["vocab"]["ĠĠĠĠĠĠĠĠĠĠĠĠ"] = spec["added_tokens"].pop()["id"]
+    (folder / TOKENIZER_FILE).write_text(json.dumps(spec))
+    assert load_tokenizer(folder).end_token is None
+    model_config, run = resolve(run={"steps": 6}, resume=folder)
+    assert train(model_config, run, folder, resume=True, progress=False).step == 6
+    assert main(["sample", str(folder), "--prompt", "def", "--max-new-tokens", "5"]) == 0
+    assert "no end-of-text token (a BPE run trained before it existed)" in capsys.readouterr().err
+    assert main(["export", str(folder), str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    tokenizer_config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert config["eos_token_id"] is None and "eos_token" not in tokenizer_config
 
 
 def test_a_packed_bpe_run_trains(corpus, tmp_path):

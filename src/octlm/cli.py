@@ -317,6 +317,13 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="draw among the K likeliest tokens only")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the draw")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument(
+        "--no-stop",
+        dest="stop",
+        action="store_false",
+        help="go on past the end-of-text token (printed as <|endoftext|>) for all "
+        "--max-new-tokens; by default the text stops there",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from octlm import load_run
@@ -325,9 +332,13 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
         model, tokenizer, step = load_run(args.run_dir, args.device)
         text = generate_text(
             model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed, tokenizer=tokenizer,
+            top_k=args.top_k, seed=args.seed, tokenizer=tokenizer, stop=args.stop,
         )  # fmt: skip
-        print(f"# {args.run_dir}, checkpoint of step {step}", file=sys.stderr)
+        ending = "" if tokenizer.end_token is not None else (
+            ", no end-of-text token (a byte run)" if tokenizer.name == "bytes"
+            else ", no end-of-text token (a BPE run trained before it existed)"
+        )  # fmt: skip
+        print(f"# {args.run_dir}, checkpoint of step {step}{ending}", file=sys.stderr)
         print(text)
         return 0
 
@@ -339,22 +350,41 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
 
 def _export_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm export``: what to export and where."""
+    from octlm.export import DTYPES, FORMATS
+
     parser.description = (
         "Write a run's model (its latest checkpoint, or --step's) or a model file saved with "
         "OctLM.save as a transformers folder: config.json, generation_config.json, "
         "model.safetensors and the tokenizer. AutoModelForCausalLM loads it as LlamaForCausalLM "
         "(MistralForCausalLM for a model with a window), AutoTokenizer as the run's tokenizer; "
-        "octlm need not be installed there."
+        "octlm need not be installed there. With --format gguf (or an OUT ending in .gguf): one "
+        "GGUF file with the model and its tokenizer, for llama.cpp, Ollama and LM Studio "
+        "(docs/llama_cpp.md)."
     )
     parser.add_argument("source", help="a run folder written by octlm train, or a model file")
-    parser.add_argument("out", help="the folder to write; must not exist or be empty")
+    parser.add_argument(
+        "out", help="the folder (or .gguf file) to write; a folder must not exist or be empty"
+    )
     parser.add_argument("--step", type=int, help="the run's checkpoint of this step")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="transformers (a folder) or gguf (one file); default: gguf for an OUT ending in "
+        ".gguf, else transformers",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="the weights' dtype (default: as trained for transformers, float32 for gguf)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from octlm.export import Interrupted, export
 
         try:
-            exported = export(args.source, args.out, step=args.step)
+            exported = export(
+                args.source, args.out, step=args.step, format=args.format, dtype=args.dtype
+            )
         except Interrupted as interrupted:
             print(f"octlm export: {interrupted}; nothing written to {args.out}", file=sys.stderr)
             return 128 + interrupted.signum
@@ -385,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     _report_parser(commands.add_parser("report", help="tables and plots from records"))
     _train_parser(commands.add_parser("train", help="train a model -> a run folder"))
     _sample_parser(commands.add_parser("sample", help="text from a run folder's checkpoint"))
-    _export_parser(commands.add_parser("export", help="a run or model file -> transformers folder"))
+    _export_parser(
+        commands.add_parser("export", help="a run or model file -> transformers folder or GGUF")
+    )
     for verb in commands.choices.values():  # a verb's own parser reports what it does not know
         verb.set_defaults(parser=verb)
     return parser

@@ -1,16 +1,20 @@
 """``octlm export``: a run (at its latest or a given checkpoint) or a model file as a
-transformers folder that loads with no octlm installed.
+transformers folder that loads with no octlm installed, or as one GGUF file for llama.cpp.
 
 The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
 tokenizer (``tokenizer.json``, ``tokenizer_config.json``); docs/transformers.md says what maps
-to what. It is written beside ``out`` under a hidden name and renamed into place once whole,
-so ``out`` is absent or complete: a failed or interrupted export (Ctrl-C, SIGTERM, SIGHUP)
-leaves nothing behind.
+to what. The GGUF file (``format="gguf"``, or an ``out`` ending in ``.gguf``) holds the model
+and its tokenizer; docs/llama_cpp.md says what it holds. Either is written beside ``out`` under
+a hidden name and renamed into place once whole, so ``out`` is absent or complete: a failed or
+interrupted export (a full disk, Ctrl-C, SIGTERM, SIGHUP) leaves nothing behind. Every file
+is written by Python's own file calls, so a failed write is an ``OSError`` and each file's
+permissions follow the umask, as any new file's do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -18,18 +22,22 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from octlm.integrations import llama_format, tokenizer_files
+import torch
+
 from octlm.model import OctLM
 from octlm.run_folder import load_model
-from octlm.tokenizer import TOKENIZER_FILE
+from octlm.tokenizer import BYTE_VOCAB, TOKENIZER_FILE, BPETokenizer, load_tokenizer
 
 BYTES = "bytes"  # the tokenizer of a byte model: ids are the UTF-8 bytes
+FORMATS = ("transformers", "gguf")
+GGUF_SUFFIX = ".gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Exported(NamedTuple):
-    """What :func:`export` wrote: the folder, the class transformers builds from it, the
-    checkpoint's step (None for a model file) and the tokenizer (``"bytes"``, ``"bpe"`` or
-    None)."""
+    """What :func:`export` wrote: the folder (or GGUF file), the class transformers builds
+    from it (or ``"GGUF llama"``), the checkpoint's step (None for a model file) and the
+    tokenizer (``"bytes"``, ``"bpe"`` or None)."""
 
     folder: Path
     architecture: str
@@ -46,35 +54,68 @@ class Interrupted(KeyboardInterrupt):
 
 
 def export(
-    source: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    format: str | None = None,
+    dtype: str | None = None,
 ) -> Exported:
     """Write the model of ``source`` (a run folder, or a file saved with ``OctLM.save``) to the
-    new folder ``out``; ``step`` picks a run's checkpoint (default: its latest).
+    new folder ``out`` (``format="transformers"``) or the new file ``out`` (``"gguf"``; the
+    default when ``out`` ends in ``.gguf``); ``step`` picks a run's checkpoint (default: its
+    latest); ``dtype`` (float32, float16 or bfloat16) converts the weights (default: as they
+    are for transformers, float32 for GGUF).
 
     A run's tokenizer goes with it (its ``tokenizer.json``, else bytes); a model file has bytes
-    as its tokenizer when its vocabulary is 256, and none otherwise.
+    as its tokenizer when its vocabulary is 256, and none otherwise (which GGUF refuses).
     """
+    if format is None:
+        format = "gguf" if str(out).endswith(GGUF_SUFFIX) else "transformers"
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    check_out(out)
     source = Path(source)
     if source.is_dir():
         model, step = load_model(source, step=step)
         bpe = source / TOKENIZER_FILE
-        tokenizer = bpe if bpe.is_file() else BYTES
+        tokenizer = BYTES if load_tokenizer(source).name == BYTES else bpe  # sizes checked
     elif source.is_file():
         if step is not None:
             raise ValueError(
                 f"step picks a checkpoint of a run folder, and {str(source)!r} is a model file"
             )
         model = OctLM.load(source)
-        tokenizer = BYTES if model.config.vocab_size == tokenizer_files.BYTES else None
+        tokenizer = BYTES if model.config.vocab_size == BYTE_VOCAB else None
     else:
         raise ValueError(
             f"{str(source)!r} does not exist: expected a run folder or a model file saved with "
             "OctLM.save"
         )
-    folder = export_model(model, out, tokenizer=tokenizer)
     kind = None if tokenizer is None else BYTES if tokenizer == BYTES else "bpe"
+    if dtype is not None:
+        model = model.to(DTYPES[dtype])
+    if format == "gguf":
+        path = export_gguf(model, out, tokenizer=tokenizer, dtype=DTYPES[dtype or "float32"])
+        return Exported(path, "GGUF llama", step, kind)
+    from octlm.integrations import llama_format
+
+    folder = export_model(model, out, tokenizer=tokenizer)
     architecture = llama_format.FAMILY["mistral" if model.config.window else "llama"]
     return Exported(folder, architecture, step, kind)
+
+
+def check_out(out: str | os.PathLike) -> None:
+    """``ValueError`` when ``out`` cannot become a new folder or file: it lies under a file."""
+    for parent in Path(out).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(
+                    f"out {str(out)!r}: {str(parent)!r} is a file, not a folder to write in"
+                )
+            return
 
 
 def export_model(
@@ -83,7 +124,10 @@ def export_model(
     """Write ``model`` to the new folder ``out`` as transformers' Llama (Mistral with a window),
     weights in their dtype, with ``tokenizer``: ``"bytes"``, the path of a BPE
     ``tokenizer.json``, or None for no tokenizer files. Returns ``out``."""
+    from octlm.integrations import llama_format, tokenizer_files
+
     out = Path(out)
+    check_out(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ValueError(f"out {str(out)!r} exists and is not an empty folder: choose a new one")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -91,10 +135,12 @@ def export_model(
         staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
         try:
             _permissions_of_a_new_folder(staging)
-            llama_format.write(staging, model.config, model.state_dict())
+            bpe = None if tokenizer in (None, BYTES) else BPETokenizer.from_file(tokenizer)
+            end = None if bpe is None else bpe.end_token
+            llama_format.write(staging, model.config, model.state_dict(), end)
             if tokenizer is not None:
-                bpe = None if tokenizer == BYTES else tokenizer
-                tokenizer_files.write(staging, bpe, model.config.max_length)
+                path = None if bpe is None else tokenizer
+                tokenizer_files.write(staging, path, model.config.max_length, end)
             for file in staging.iterdir():
                 _sync(file)
             os.replace(staging, out)  # replaces an empty folder; then the folder is whole
@@ -103,6 +149,57 @@ def export_model(
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return out
+
+
+def export_gguf(
+    model: OctLM,
+    out: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = BYTES,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write ``model`` to the new GGUF file ``out`` for llama.cpp, tensors in ``dtype``, with
+    ``tokenizer``: ``"bytes"`` or the path of a BPE ``tokenizer.json``. Returns ``out``."""
+    from octlm.integrations import gguf_format
+
+    out = Path(out)
+    gguf_format.check_exportable(model.config)
+    if tokenizer is None:
+        raise ValueError(
+            f"a GGUF file holds its tokenizer, and this model's vocabulary of "
+            f"{model.config.vocab_size} is not bytes: export its run folder instead"
+        )
+    check_out(out)
+    if out.exists():
+        raise ValueError(f"out {str(out)!r} exists: choose a new file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _signals_interrupt():
+        descriptor, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.export-")
+        os.close(descriptor)
+        staging = Path(name)
+        try:
+            _permissions_of_a_new_file(staging)
+            bpe = None if tokenizer == BYTES else tokenizer
+            try:
+                gguf_format.write(staging, model.config, model.state_dict(), bpe, dtype)
+            except OSError as error:  # numpy's tofile says only "N requested and 0 written"
+                if error.errno is None and os.statvfs(out.parent).f_bavail == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from None
+                raise
+            _sync(staging)
+            os.replace(staging, out)
+            _sync(out.parent)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            raise
+    return out
+
+
+def _permissions_of_a_new_file(file: Path) -> None:
+    """mkstemp makes a file only its owner may read; the export is an ordinary file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    file.chmod(0o666 & ~umask)
 
 
 def _permissions_of_a_new_folder(folder: Path) -> None:

@@ -578,13 +578,17 @@ class OctLM(nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        end_token: int | None = None,
     ) -> Tensor:
-        """Continue ``prompt (B, T)`` by ``max_new_tokens``; returns ``(B, T + max_new_tokens)``.
+        """Continue ``prompt (B, T)`` by up to ``max_new_tokens``; returns ``(B, T + n)``.
 
         The prompt is prefilled in one call, then one token per call through a KV cache.
         ``temperature == 0`` is greedy; otherwise logits are divided by ``temperature``,
         limited to the ``top_k`` largest if given, and sampled with ``generator``. Dropout
         follows the module's mode: call ``model.eval()`` first for deterministic decoding.
+        With ``end_token`` (a tokenizer's end of text), a row that draws it has ended: it
+        draws nothing more (its later places repeat ``end_token``), and generation stops once
+        every row has ended, so ``n`` may be less than ``max_new_tokens``.
         """
         if not is_int_at_least(max_new_tokens, 0):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -593,6 +597,13 @@ class OctLM(nn.Module):
         if top_k is not None and not is_int_at_least(top_k, 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
         self._check_tokens(prompt)
+        if end_token is not None and not (
+            is_int_at_least(end_token, 0) and end_token < self.config.vocab_size
+        ):
+            raise ValueError(
+                f"end_token must be None or a token id in [0, {self.config.vocab_size}), got "
+                f"{end_token!r}"
+            )
         total = prompt.shape[1] + max_new_tokens
         if total > self.config.max_length:
             raise ValueError(
@@ -601,11 +612,18 @@ class OctLM(nn.Module):
             )
         cache = KVCache(self.config, capacity=total)
         tokens = [prompt]
+        ended = torch.zeros(prompt.shape[0], 1, dtype=torch.bool, device=prompt.device)  # (B, 1)
         logits = self(prompt, cache=cache)[:, -1]  # (B, V)
         for step in range(max_new_tokens):
-            tokens.append(sample(logits, temperature, top_k, generator))  # (B, 1)
+            drawn = sample(logits, temperature, top_k, generator)  # (B, 1)
+            if end_token is not None:
+                drawn = drawn.masked_fill(ended, end_token)  # (B, 1)
+                ended = ended | (drawn == end_token)
+            tokens.append(drawn)
+            if end_token is not None and bool(ended.all()):
+                break
             if step + 1 < max_new_tokens:
-                logits = self(tokens[-1], cache=cache)[:, -1]  # (B, V)
+                logits = self(drawn, cache=cache)[:, -1]  # (B, V)
         return torch.cat(tokens, dim=1)
 
 

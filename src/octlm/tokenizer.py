@@ -8,9 +8,22 @@ Both map any bytes to token ids and back without loss: ``decode(encode(data)) ==
 the run folder as ``tokenizer.json``, a standard file of that library. Its ByteLevel
 pre-tokenizer (no prefix space) writes each UTF-8 byte as one of 256 printable symbols, all
 256 of which are in the vocabulary, so every byte is a token; merges join frequent pairs of
-symbols; the ByteLevel decoder reads the symbols back. There is no normaliser and no special
-token, so for any text the file's own ``Tokenizer.encode(text).ids`` equals
-``encode(text.encode("utf-8"))`` and its ``decode`` of those ids gives the text back.
+symbols; the ByteLevel decoder reads the symbols back. There is no normaliser. One special
+token, ``<|endoftext|>`` (:data:`END_OF_TEXT`, the last id), ends each document in the token
+files, so a model learns where text ends and generation stops there; it stands for no bytes.
+For any text that does not spell ``<|endoftext|>`` the file's own ``Tokenizer.encode(text).ids``
+equals ``encode(text.encode("utf-8"))`` and its ``decode`` of those ids gives the text back;
+octlm's ``encode`` reads those 13 characters as text wherever they occur (a corpus of Python or
+of web pages may hold them), where the ``tokenizers`` file (and so transformers and llama.cpp)
+reads them as the special token, as GPT-2's does. A BPE run written before the end token
+existed has none (``end_token`` None), and works as it did.
+
+``ByteTokenizer`` has no end token: a byte run's token is its byte, so its token files are the
+corpus bytes as uint8 and a byte run folder holds no tokenizer file at all. A 257th id would
+make byte token files uint16 (twice the size), and a folder without a tokenizer file could not
+tell a 257-token byte run from the 256-token ones already trained, checkpointed and exported;
+those keep working unchanged instead. Packing (``octlm train --pack``) keeps a byte run's
+documents apart.
 
 Bytes that are not UTF-8: ``tokenizers`` takes text only, so ``encode`` cuts the data into
 its maximal valid UTF-8 runs and the single bytes between them (the bytes Python's
@@ -36,8 +49,10 @@ from torch import Tensor
 NAMES = ("bytes", "bpe")
 BYTE_VOCAB = 256
 DEFAULT_BPE_VOCAB = 4096
+END_OF_TEXT = "<|endoftext|>"  # a BPE run's one special token: the end of a document
 MAX_VOCAB = 2**32  # token files hold ids in at most 32 bits
 TOKENIZER_FILE = "tokenizer.json"
+RUN_CONFIG = "config.json"  # a run folder's configuration: its model's vocab_size
 STORING = f".{TOKENIZER_FILE}.tmp"  # tokenizer.json while it is written (then renamed)
 # One byte that is not UTF-8, as decoding with surrogateescape leaves it (U+DC80..U+DCFF).
 ESCAPED = re.compile("([\udc80-\udcff])")
@@ -62,14 +77,15 @@ def byte_symbols() -> list[str]:
 
 
 def check_bpe_vocab_size(vocab_size: object) -> int:
-    """``vocab_size`` if a BPE may have it: the 256 byte symbols, at least one merge, and ids
-    that token files can hold; ``ValueError`` otherwise."""
+    """``vocab_size`` if a BPE may have it: the 256 byte symbols and one more token (the end
+    of text, or a merge in a run from before it), and ids that token files can hold;
+    ``ValueError`` otherwise."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
     if not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
         raise ValueError(
-            f"a BPE vocab_size must be above {BYTE_VOCAB} (the {BYTE_VOCAB} byte symbols and at "
-            f"least one merge) and at most 2**32, got {vocab_size}"
+            f"a BPE vocab_size must be above {BYTE_VOCAB} (the {BYTE_VOCAB} byte symbols and the "
+            f"end-of-text token) and at most 2**32, got {vocab_size}"
         )
     return vocab_size
 
@@ -103,6 +119,7 @@ class ByteTokenizer:
 
     name = "bytes"
     vocab_size = BYTE_VOCAB
+    end_token = None  # see the module docstring: a byte run has no end-of-text token
 
     def encode(self, data: bytes) -> list[int]:
         return list(_checked_data(data))
@@ -126,8 +143,10 @@ class BPETokenizer:
 
     def __init__(self, tokenizer, where: str = "the tokenizer"):
         _check_byte_level(json.loads(tokenizer.to_str()), where)
+        tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a text is text
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+        self.end_token: int | None = tokenizer.token_to_id(END_OF_TEXT)  # id, or None
         vocabulary = tokenizer.get_vocab()  # symbols -> id
         if sorted(vocabulary.values()) != list(range(self.vocab_size)):
             raise ValueError(f"{where}: its ids are not 0..{self.vocab_size - 1}, one each")
@@ -151,11 +170,14 @@ class BPETokenizer:
             if not all(character in value for character in token):
                 raise ValueError(f"{where}: token {token!r} is not made of byte symbols")
             self._pieces[index] = bytes(value[character] for character in token)
+        if self.end_token is not None:
+            self._pieces[self.end_token] = b""  # the end of a text stands for no bytes
 
     @classmethod
     def train(cls, texts: Iterable[bytes], vocab_size: int) -> BPETokenizer:
-        """A BPE of ``vocab_size`` tokens learned from ``texts``; ``ValueError`` when they hold
-        too few distinct pairs to merge that many."""
+        """A BPE of ``vocab_size`` tokens learned from ``texts``: the byte symbols, merges, and
+        :data:`END_OF_TEXT` as the last id; ``ValueError`` when they hold too few distinct
+        pairs to merge that many."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         check_bpe_vocab_size(vocab_size)
@@ -163,18 +185,25 @@ class BPETokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, show_progress=False, special_tokens=[],
+            vocab_size=vocab_size - 1, show_progress=False, special_tokens=[],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )  # fmt: skip
         runs = (run for data in texts for run in _valid_runs(_checked_data(data))[::2] if run)
         tokenizer.train_from_iterator(runs, trainer=trainer)
-        learned = tokenizer.get_vocab_size()
+        learned = tokenizer.get_vocab_size() + 1  # with the end of text
+        if learned < vocab_size and learned == BYTE_VOCAB + 1:
+            raise ValueError(
+                f"vocab_size {vocab_size}: the training text holds no pair of symbols to merge "
+                "(no two characters side by side within a word), so a BPE learns nothing from "
+                "it; use --tokenizer bytes, or more text"
+            )
         if learned < vocab_size:
             raise ValueError(
                 f"vocab_size {vocab_size}: the training text yields only {learned} tokens "
-                f"({BYTE_VOCAB} bytes and {learned - BYTE_VOCAB} merges); use a vocab_size of "
-                f"at most {learned}, or more text"
+                f"({BYTE_VOCAB} bytes, {learned - BYTE_VOCAB - 1} merges and the end of text); "
+                f"use a vocab_size of at most {learned}, or more text"
             )
+        tokenizer.add_special_tokens([END_OF_TEXT])  # id vocab_size - 1
         return cls(tokenizer)
 
     @classmethod
@@ -229,8 +258,11 @@ def _check_byte_level(spec: dict, where: str) -> None:
     """Raise ValueError unless ``spec`` (a tokenizer.json) is a byte-level BPE whose ids are
     those of its own ``encode``, naming each field that keeps it from being one: a BPE model,
     no normaliser, no added or special tokens, a ByteLevel pre-tokenizer without prefix space
-    and a ByteLevel decoder."""
+    and a ByteLevel decoder. The one special token allowed is :data:`END_OF_TEXT`."""
     pre = spec.get("pre_tokenizer") or {}
+    added = [
+        {key: t.get(key) for key in ("content", "special")} for t in spec.get("added_tokens") or []
+    ]
     model = (spec.get("model") or {}).get("type")
     checks = {
         "model": (model != "BPE", f"its model is {model!r}, not 'BPE'"),
@@ -238,7 +270,10 @@ def _check_byte_level(spec: dict, where: str) -> None:
             spec.get("normalizer") is not None,
             "it has a normalizer, which changes the text before it is split",
         ),
-        "added_tokens": (bool(spec.get("added_tokens")), "it adds special tokens to the text"),
+        "added_tokens": (
+            added not in ([], [{"content": END_OF_TEXT, "special": True}]),
+            f"it has added tokens other than the one special {END_OF_TEXT}",
+        ),
         "post_processor": (
             spec.get("post_processor") is not None,
             "it adds special tokens to the text",
@@ -276,6 +311,32 @@ def probe_text() -> str:
 
 
 def load_tokenizer(folder: str | os.PathLike) -> ByteTokenizer | BPETokenizer:
-    """A run folder's tokenizer: its ``tokenizer.json``, or bytes if it has none."""
+    """A run folder's tokenizer: its ``tokenizer.json``, or bytes if it has none.
+
+    ``ValueError`` when the folder's ``config.json`` gives its model another vocabulary (a BPE
+    run whose ``tokenizer.json`` was lost would otherwise read as bytes), naming both sizes.
+    """
     path = Path(folder) / TOKENIZER_FILE
-    return BPETokenizer.from_file(path) if path.is_file() else ByteTokenizer()
+    tokenizer = BPETokenizer.from_file(path) if path.is_file() else ByteTokenizer()
+    model = _run_vocab_size(Path(folder) / RUN_CONFIG)
+    if model is not None and model != tokenizer.vocab_size:
+        found = (
+            f"its {TOKENIZER_FILE} has {tokenizer.vocab_size} tokens"
+            if path.is_file()
+            else f"it has no {TOKENIZER_FILE}, so its tokens would be bytes ({BYTE_VOCAB})"
+        )
+        raise ValueError(
+            f"run folder {str(folder)!r}: its model has a vocabulary of {model} tokens but "
+            f"{found}; put the run's own {TOKENIZER_FILE} back"
+        )
+    return tokenizer
+
+
+def _run_vocab_size(config: Path) -> int | None:
+    """The model's vocab_size a run's ``config.json`` names; None without a readable one (the
+    run's own loading reports that)."""
+    try:
+        size = json.loads(config.read_text())["model"]["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None

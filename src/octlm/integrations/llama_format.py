@@ -27,7 +27,7 @@ from torch import Tensor
 
 try:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 except ImportError as error:
     raise ImportError(
         "reading and writing transformers folders needs safetensors: pip install 'octlm[export]'"
@@ -67,19 +67,25 @@ SIZES = {
 REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 
-def write(folder: str | os.PathLike, config, state: dict[str, Tensor]) -> None:
+def write(
+    folder: str | os.PathLike, config, state: dict[str, Tensor], end_token: int | None = None
+) -> None:
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` for the octlm
-    model of ``config`` (a ``ModelConfig``) whose weights are ``state`` (its state dict)."""
+    model of ``config`` (a ``ModelConfig``) whose weights are ``state`` (its state dict);
+    ``end_token`` is the id of the run's end-of-text token (None: no token ends a sequence, as
+    in a byte run), its ``eos_token_id``."""
     folder = Path(folder)
     dtype = state["embedding.weight"].dtype
-    _write_json(folder / CONFIG, llama_config(config, dtype))
-    # No token ends a sequence: a byte or BPE run has no end-of-text token.
-    generation = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    _write_json(folder / CONFIG, llama_config(config, dtype, end_token))
+    generation = {"bos_token_id": None, "eos_token_id": end_token, "pad_token_id": None}
     _write_json(folder / GENERATION_CONFIG, generation)
-    save_file(llama_tensors(config, state), folder / WEIGHTS, metadata={"format": "pt"})
+    # Serialised in memory, written by Python: a full disk is an OSError (safetensors' own
+    # writer raises SafetensorError) and the file follows the umask (safetensors' is 0600).
+    weights = save(llama_tensors(config, state), metadata={"format": "pt"})
+    (folder / WEIGHTS).write_bytes(weights)
 
 
-def llama_config(config, dtype: torch.dtype) -> dict:
+def llama_config(config, dtype: torch.dtype, end_token: int | None = None) -> dict:
     """The ``config.json`` of ``config``'s model: Llama, or Mistral when it has a window."""
     kind = "mistral" if config.window else "llama"
     values = {
@@ -94,7 +100,7 @@ def llama_config(config, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": config.tied_head,
         "attention_dropout": 0.0,  # dropout is a training setting (ModelConfig's runtime fields)
         "bos_token_id": None,
-        "eos_token_id": None,
+        "eos_token_id": end_token,
         "pad_token_id": None,
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
@@ -139,6 +145,11 @@ def read_config(folder: str | os.PathLike) -> dict:
     """The ``ModelConfig`` fields of a transformers folder's ``config.json`` of the Llama family;
     ``ValueError`` naming a key whose value octlm cannot compute exactly."""
     path = Path(folder) / CONFIG
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise ValueError(
+            f"{str(folder)!r} is a file, not a transformers folder (a folder with {CONFIG} and "
+            f"{WEIGHTS}); a file saved with OctLM.save loads with OctLM.load"
+        )
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:

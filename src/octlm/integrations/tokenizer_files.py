@@ -6,7 +6,9 @@ byte-level symbols as its whole vocabulary and no merges, so ``encode(text).ids`
 bytes of ``text`` and decoding turns ids back into bytes, then text (invalid UTF-8 becomes
 U+FFFD, as in ``bytes.decode(errors="replace")``). A BPE run's ``tokenizer.json`` goes over as
 it is. ``tokenizer_config.json`` makes ``AutoTokenizer`` read either as a fast tokenizer that
-adds no token of its own.
+adds no token of its own (``add_bos_token`` and ``add_eos_token`` false, said outright: some
+readers, Ollama's among them, default to adding one), and names the run's end-of-text token as
+``eos_token`` where it has one.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ except ImportError as error:
     ) from error
 
 from octlm.tokenizer import BYTE_VOCAB as BYTES
+from octlm.tokenizer import END_OF_TEXT, BPETokenizer, byte_symbols, probe_text
 from octlm.tokenizer import TOKENIZER_FILE as TOKENIZER
-from octlm.tokenizer import BPETokenizer, byte_symbols, probe_text
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -39,19 +41,30 @@ def byte_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write(folder: str | os.PathLike, bpe: str | os.PathLike | None, max_length: int) -> None:
+def write(
+    folder: str | os.PathLike,
+    bpe: str | os.PathLike | None,
+    max_length: int,
+    end_token: int | None = None,
+) -> None:
     """The tokenizer files of a run: a copy of its BPE ``tokenizer.json``, or with ``bpe`` None
-    the byte tokenizer; and the ``tokenizer_config.json`` that AutoTokenizer reads."""
+    the byte tokenizer; and the ``tokenizer_config.json`` that AutoTokenizer reads, naming
+    :data:`END_OF_TEXT` as ``eos_token`` when ``end_token`` (its id) is given."""
     folder = Path(folder)
     if bpe is None:
-        byte_tokenizer().save(str(folder / TOKENIZER))
+        # written by Python: a full disk is an OSError (tokenizers raises a bare Exception)
+        (folder / TOKENIZER).write_text(byte_tokenizer().to_str())
     else:
         shutil.copyfile(bpe, folder / TOKENIZER)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,  # decoding gives back the text, spaces and all
+        "add_bos_token": False,
+        "add_eos_token": False,
     }
+    if end_token is not None:
+        config["eos_token"] = END_OF_TEXT
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -8,10 +8,13 @@ bytes is held out instead.
 
 Tokens are the bytes themselves (vocabulary 256), or the ids of the run's BPE
 (:mod:`octlm.tokenizer`), which encodes each document on its own, so documents start on token
-boundaries. They are written once to ``train.bin`` and ``val.bin`` as unsigned ints of the
-smallest width that holds the vocabulary (uint8 for bytes, uint16 up to 65,536 tokens; the
-dtype is in ``data.json``) and read back with ``torch.from_file``, a memory map: a corpus
-larger than memory costs only the pages that batches touch. Beside each, ``train.starts.bin``
+boundaries, and ends each with its end-of-text token (the head of a single file held out at its
+tail is no end, and gets none); a window of the token stream that straddles two documents sees
+where one ends, and a packed row predicts its documents' ends. They are written once to
+``train.bin`` and ``val.bin`` as unsigned ints of the smallest width that holds the vocabulary
+(uint8 for bytes, uint16 up to 65,536 tokens; the dtype is in ``data.json``) and read back
+with ``torch.from_file``, a memory map: a corpus larger than memory costs only the pages that
+batches touch. Beside each, ``train.starts.bin``
 and ``val.starts.bin`` hold where each document starts (int64 offsets, in tokens), for packed
 batches.
 
@@ -162,6 +165,7 @@ def write_tokens(
     summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
     summary |= {f"{split}_tokens": 0 for split in SPLITS}
     summary |= {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size}
+    summary["end_token"] = tokenizer.end_token  # the id that ends each document, or None
     summary["dtype"] = token_dtype(tokenizer.vocab_size)
     temporary = {split: folder / f".{split}.bin.tmp" for split in SPLITS}
     try:
@@ -191,11 +195,15 @@ def _write_splits(path, documents, validation, summary, temporary, tokenizer, pr
             if not text:
                 summary["empty_skipped"] += 1
                 continue
-            for split, part in _parts(path, document, text, validation, val_share).items():
+            parts = _parts(path, document, text, validation, val_share)
+            last = [split for split, part in parts.items() if part][-1]  # the document's end
+            for split, part in parts.items():
                 if not part:  # a file too short to hold out a tail: no document there
                     continue
                 # byte tokens are the bytes themselves: written as they are
                 ids = part if tokenizer.name == "bytes" else array(typecode, tokenizer.encode(part))
+                if tokenizer.end_token is not None and split == last:
+                    ids.append(tokenizer.end_token)  # the document (not a file's head) ends
                 starts[split].append(summary[f"{split}_tokens"])
                 outputs[split].write(ids)
                 summary[f"{split}_documents"] += 1

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from octlm.model import ModelConfig, OctLM
-from octlm.tokenizer import BPETokenizer, ByteTokenizer
+from octlm.tokenizer import END_OF_TEXT, BPETokenizer, ByteTokenizer
 from octlm.training.config import prompt_bytes
 
 
@@ -26,9 +26,14 @@ def generate_text(
     top_k: int | None = None,
     seed: int = 0,
     tokenizer: ByteTokenizer | BPETokenizer | None = None,
+    stop: bool = True,
 ) -> str:
     """``prompt`` continued by ``max_new_tokens`` tokens, encoded and decoded by the model's
     ``tokenizer`` (default: bytes), as UTF-8 text (bad bytes replaced).
+
+    Generation stops at the tokenizer's end-of-text token (not in the text); with ``stop``
+    False it goes on past it, written as ``<|endoftext|>``. A tokenizer without one (bytes, a
+    BPE run from before end tokens) runs the ``max_new_tokens``.
 
     The model knows positions up to ``max_length`` only, so a longer text is decoded in
     windows: when one is full, decoding starts again (a new KV cache) from the last
@@ -55,14 +60,26 @@ def generate_text(
     was_training = model.training
     model.eval()
     try:
-        new = 0
+        new, end = 0, tokenizer.end_token if stop else None
         while new < max_new_tokens:
             fits = new == 0 and tokens.shape[1] < limit
             context = tokens if fits else tokens[:, -(limit // 2) :]  # (1, C)
             count = min(limit - context.shape[1], max_new_tokens - new)
-            drawn = model.generate(context, count, temperature, top_k, generator)  # (1, C + n)
+            drawn = model.generate(context, count, temperature, top_k, generator, end)
             tokens = torch.cat([tokens, drawn[:, context.shape[1] :]], dim=1)  # (1, P + new)
             new += count
+            if end is not None and tokens[0, -1] == end:  # the text has ended
+                tokens = tokens[:, :-1]
+                break
     finally:
         model.train(was_training)
-    return tokenizer.decode(tokens[0].tolist()).decode("utf-8", errors="replace")
+    ids = tokens[0].tolist()
+    if tokenizer.end_token is not None:  # split at each end of text, marked in the text
+        pieces, begin = [], 0
+        for index in [i for i, token in enumerate(ids) if token == tokenizer.end_token]:
+            pieces.append(tokenizer.decode(ids[begin:index]))
+            begin = index + 1
+        text = END_OF_TEXT.encode().join([*pieces, tokenizer.decode(ids[begin:])])
+    else:
+        text = tokenizer.decode(ids)
+    return text.decode("utf-8", errors="replace")

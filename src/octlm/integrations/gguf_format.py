@@ -1,0 +1,191 @@
+"""octlm's model as one GGUF file for llama.cpp and the apps built on it (Ollama, LM Studio).
+
+Written with the ``gguf`` package (the library llama.cpp ships for this) under llama.cpp's
+``llama`` architecture, which computes what octlm computes: pre-norm RMSNorm, RoPE, grouped-query
+attention, SwiGLU, no biases. docs/llama_cpp.md has the whole path and the key table.
+
+- Tensors: float32 (float16 or bfloat16 on request, norms kept in float32 as llama.cpp's own
+  converter keeps them), under llama.cpp's names; a tied head writes no ``output.weight``
+  (llama.cpp then reads the embedding), an untied one does.
+- RoPE: octlm turns the pair ``(i, i + D/2)`` of each head (rotate-half); llama.cpp's llama
+  turns ``(2i, 2i + 1)``. Each head's query and key rows are interleaved to match
+  (:func:`interleave`), which changes no score: a query and a key move the same way.
+- Tokenizer: a ``gpt2``-type vocabulary (byte-level symbols, merges, token types). A BPE run's
+  comes from its ``tokenizer.json``, its end-of-text token a CONTROL token, the file's
+  BOS and EOS. A byte run's is the 256 byte symbols and one merge that can never apply
+  (llama.cpp needs at least one, and no merge makes its left side); it has no end token, and
+  the format has no way to say so (without one llama.cpp takes id 11, a vertical tab), so NUL,
+  a byte that text does not hold, is named instead.
+- Pre-tokenizer ``gpt-2``: its regex is the one ``tokenizers``' ByteLevel pre-tokenizer uses,
+  so llama.cpp splits text into the same words (docs/llama_cpp.md weighs the other names).
+- Adding BOS and EOS is off (octlm's models start a text on its first token), and the chat
+  template passes each message's text through, so chat front ends continue the text itself.
+
+A model with a window is refused: llama.cpp's llama architecture has no sliding window and would
+attend to every key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+try:
+    import gguf
+except ImportError as error:
+    raise ImportError("writing a GGUF file needs gguf: pip install 'octlm[export]'") from error
+
+from octlm.tokenizer import BYTE_VOCAB, END_OF_TEXT, byte_symbols
+
+ARCHITECTURE = "llama"
+PRE_TOKENIZER = "gpt-2"
+# Every message's text, nothing around it: the model continues the text it is given.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FILE_TYPES = {
+    torch.float32: gguf.LlamaFileType.ALL_F32,
+    torch.float16: gguf.LlamaFileType.MOSTLY_F16,
+    torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16,
+}
+# octlm name -> llama.cpp name, in each layer (prefixes ``blocks.N.`` and ``blk.N.``)
+LAYER_TENSORS = {
+    "attention_norm.weight": "attn_norm.weight",
+    "attention.output.weight": "attn_output.weight",
+    "mlp_norm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate.weight",
+    "mlp.up.weight": "ffn_up.weight",
+    "mlp.down.weight": "ffn_down.weight",
+}
+PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight")  # the rows of ``qkv``
+MODEL_TENSORS = {
+    "embedding.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "head.weight": "output.weight",
+}
+END_OF_BYTES = 0  # NUL: the EOS a byte model's file names, since it must name one
+
+
+def check_exportable(config) -> None:
+    """``ValueError`` in one line for a model llama.cpp's llama would compute otherwise."""
+    if config.window:
+        raise ValueError(
+            f"a model with a window (window={config.window}) cannot go to GGUF: llama.cpp's "
+            "llama architecture has no sliding window and would attend to every key; export "
+            "it as a transformers folder (Mistral) instead"
+        )
+
+
+def interleave(rows: Tensor, heads: int) -> Tensor:
+    """Query or key rows ``(heads * D, C)`` from rotate-half order (pair ``(i, i + D/2)``) to
+    llama.cpp's interleaved order (pair ``(2i, 2i + 1)``), head by head."""
+    size = rows.shape[0] // heads
+    halves = rows.reshape(heads, 2, size // 2, *rows.shape[1:])  # (H, 2, D/2, C)
+    return halves.transpose(1, 2).reshape(rows.shape)  # (H * D, C): row 2i+j = half j's i
+
+
+def rotate_half_order(rows: Tensor, heads: int) -> Tensor:
+    """The inverse of :func:`interleave`."""
+    size = rows.shape[0] // heads
+    pairs = rows.reshape(heads, size // 2, 2, *rows.shape[1:])  # (H, D/2, 2, C)
+    return pairs.transpose(1, 2).reshape(rows.shape)  # (H * D, C)
+
+
+def gguf_tensors(config, state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """``state`` under llama.cpp's names: ``qkv`` split, q and k interleaved; matrices in
+    ``dtype``, the 1-D norm weights in float32."""
+    size = config.head_size
+    rows = (config.n_heads * size, config.n_kv_heads * size, config.n_kv_heads * size)
+    tensors = {theirs: state[ours] for ours, theirs in MODEL_TENSORS.items() if ours in state}
+    for layer in range(config.n_layers):
+        ours, theirs = f"blocks.{layer}.", f"blk.{layer}."
+        for name, their_name in LAYER_TENSORS.items():
+            tensors[theirs + their_name] = state[ours + name]
+        query, key, value = state[ours + "attention.qkv.weight"].split(rows)  # (H*D, C), ...
+        tensors[theirs + PROJECTIONS[0]] = interleave(query, config.n_heads)
+        tensors[theirs + PROJECTIONS[1]] = interleave(key, config.n_kv_heads)
+        tensors[theirs + PROJECTIONS[2]] = value
+    return {
+        name: tensor.detach().cpu().to(dtype if tensor.dim() > 1 else torch.float32).contiguous()
+        for name, tensor in tensors.items()
+    }
+
+
+def vocabulary(bpe: str | os.PathLike | None) -> dict:
+    """The gpt2-type vocabulary of a BPE ``tokenizer.json`` (None: bytes): tokens, token types,
+    merges, and the EOS id (None where the run has no end token)."""
+    if bpe is None:
+        symbols = byte_symbols()
+        never = f"{symbols[0] * 2} {symbols[0]}"  # no merge makes its left side
+        normal = [gguf.TokenType.NORMAL] * BYTE_VOCAB
+        return {"tokens": symbols, "types": normal, "merges": [never], "end": None}
+    spec = json.loads(Path(bpe).read_text())
+    added = {token["id"]: token["content"] for token in spec.get("added_tokens") or []}
+    pieces = {index: token for token, index in spec["model"]["vocab"].items()} | added
+    tokens = [pieces[index] for index in range(len(pieces))]
+    types = [
+        gguf.TokenType.CONTROL if index in added else gguf.TokenType.NORMAL
+        for index in range(len(tokens))
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    end = next((index for index, text in added.items() if text == END_OF_TEXT), None)
+    return {"tokens": tokens, "types": types, "merges": merges, "end": end}
+
+
+def write(
+    path: str | os.PathLike,
+    config,
+    state: dict[str, Tensor],
+    bpe: str | os.PathLike | None,
+    dtype: torch.dtype = torch.float32,
+    name: str = "octlm",
+) -> None:
+    """Write the GGUF file ``path`` for the octlm model of ``config`` whose weights are
+    ``state``, with the tokenizer of ``bpe`` (a ``tokenizer.json``; None: bytes)."""
+    check_exportable(config)
+    words = vocabulary(bpe)
+    if len(words["tokens"]) != config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(words['tokens'])} tokens and the model {config.vocab_size}"
+        )
+    end = END_OF_BYTES if words["end"] is None else words["end"]
+    writer = gguf.GGUFWriter(os.fspath(path), ARCHITECTURE)
+    writer.add_name(name)
+    writer.add_file_type(FILE_TYPES[dtype])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.max_length)
+    writer.add_embedding_length(config.width)
+    writer.add_block_count(config.n_layers)
+    writer.add_feed_forward_length(config.mlp_width)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_key_length(config.head_size)
+    writer.add_value_length(config.head_size)
+    writer.add_rope_dimension_count(config.head_size)
+    writer.add_rope_freq_base(float(config.rope_base))
+    writer.add_layer_norm_rms_eps(float(config.norm_eps))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(PRE_TOKENIZER)
+    writer.add_token_list(words["tokens"])
+    writer.add_token_types(words["types"])
+    writer.add_token_merges(words["merges"])
+    writer.add_bos_token_id(end)
+    writer.add_eos_token_id(end)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for tensor_name, tensor in gguf_tensors(config, state, dtype).items():
+        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed by gguf
+            data = tensor.view(torch.uint8).numpy()
+            writer.add_tensor(tensor_name, data, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(tensor_name, tensor.numpy())
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
