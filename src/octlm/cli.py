@@ -265,7 +265,6 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
 
     def run(args: argparse.Namespace) -> int:
         from octlm.training import train
-        from octlm.training.loop import Interrupted
 
         model_values, run_values = config.explicit_values(args)
         resume = args.out if args.resume else None
@@ -276,10 +275,6 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
             outcome = train(
                 model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
             )
-        except Interrupted as interrupted:  # before the first step: nothing was trained
-            after = "its checkpoints are as they were" if args.resume else "start it again"
-            print(f"octlm train: {interrupted}; {after}", file=sys.stderr)
-            return 128 + interrupted.signum
         except ValueError as error:  # said with the flags the user typed
             raise ValueError(config.as_flags(str(error))) from None
         if outcome.rank == 0:
@@ -296,8 +291,13 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
         stopped = getattr(signal.Signals, outcome.stopped_by, signal.SIGINT)
         return 128 + stopped
 
+    def kept(args: argparse.Namespace) -> str:
+        """Said after a stop that came before the first step (a later one ends the run)."""
+        after = "its checkpoints are as they were" if args.resume else "start it again"
+        return f"before the first step; {after}"
+
     # ValueError: a bad option, data or run folder (one in use among them); OSError: a full disk.
-    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1}, kept=kept)
 
 
 def _sample_parser(parser: argparse.ArgumentParser) -> None:
@@ -379,22 +379,22 @@ def _export_parser(parser: argparse.ArgumentParser) -> None:
     )
 
     def run(args: argparse.Namespace) -> int:
-        from octlm.export import Interrupted, export
+        from octlm.export import export
 
-        try:
-            exported = export(
-                args.source, args.out, step=args.step, format=args.format, dtype=args.dtype
-            )
-        except Interrupted as interrupted:
-            print(f"octlm export: {interrupted}; nothing written to {args.out}", file=sys.stderr)
-            return 128 + interrupted.signum
+        exported = export(
+            args.source, args.out, step=args.step, format=args.format, dtype=args.dtype
+        )
         step = "" if exported.step is None else f", checkpoint of step {exported.step}"
         tokenizer = exported.tokenizer or "no tokenizer (the model file's vocabulary is not bytes)"
         print(f"{exported.folder}: {exported.architecture}{step}, tokenizer {tokenizer}")
         return 0
 
     # A bad source, step or output folder; a full disk.
-    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
+    parser.set_defaults(
+        run=run,
+        exits={ValueError: 2, OSError: 1},
+        kept=lambda args: f"nothing written to {args.out}",
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     full disk, 1) is one line on stderr and that exit status, never a traceback; so are Ctrl-C
     (130), SIGTERM and SIGHUP (128 + the signal) where the verb does not say more itself.
     """
-    from octlm.lab.bench.guard import run_stoppable
+    from octlm.signals import run_stoppable
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(

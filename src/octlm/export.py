@@ -13,17 +13,16 @@ permissions follow the umask, as any new file's do.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from octlm import signals
 from octlm.model import OctLM
 from octlm.run_folder import load_model
 from octlm.tokenizer import BYTE_VOCAB, TOKENIZER_FILE, BPETokenizer, load_tokenizer
@@ -43,14 +42,6 @@ class Exported(NamedTuple):
     architecture: str
     step: int | None
     tokenizer: str | None
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP during an export, which then removes what it had written."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 def export(
@@ -131,7 +122,7 @@ def export_model(
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ValueError(f"out {str(out)!r} exists and is not an empty folder: choose a new one")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _signals_interrupt():
+    with signals.stop_on_signals():  # a stop removes what was staged
         staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
         try:
             _permissions_of_a_new_folder(staging)
@@ -173,7 +164,7 @@ def export_gguf(
     if out.exists():
         raise ValueError(f"out {str(out)!r} exists: choose a new file")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _signals_interrupt():
+    with signals.stop_on_signals():  # a stop removes what was staged
         descriptor, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.export-")
         os.close(descriptor)
         staging = Path(name)
@@ -215,23 +206,3 @@ def _sync(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-@contextlib.contextmanager
-def _signals_interrupt():
-    """SIGTERM and SIGHUP raise :class:`Interrupted` (as Ctrl-C raises KeyboardInterrupt), so
-    the export removes its staging folder before the process ends."""
-
-    def handler(signum, _frame):
-        raise Interrupted(signum)
-
-    try:
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    except ValueError:  # not the main thread: signals stay as they are
-        yield
-        return
-    try:
-        yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)

@@ -16,12 +16,10 @@ on CPU in float32 a run resumed from step ``k`` repeats the uninterrupted run's 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.checkpoint import checkpoint as recompute
 from tqdm.auto import tqdm
 
+from octlm import signals
 from octlm.attention import implementation
 from octlm.context_parallel import context_parallel_loss
 from octlm.model import ModelConfig, OctLM
@@ -51,16 +50,8 @@ from octlm.training.precision import AUTO, resolve_dtype
 from octlm.training.sample import generate_text, single_process
 
 LN2 = math.log(2)
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP before the first step: nothing was trained. A new run's folder
-    keeps what its preparation wrote until the next start clears it; a resumed run is as it
-    was."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} before the first step")
-        self.signum = signum
+# Ctrl-C, and a closed terminal or ssh session, end a run after its step as SIGTERM does.
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -101,7 +92,8 @@ def train(
     second start or resume is refused before it reads or writes anything there. Under torchrun
     every process calls this; rank 0 holds the folder and writes the files.
     SIGINT, SIGTERM and SIGHUP end the run after the current step, with a checkpoint; before
-    the first step they raise :class:`Interrupted`, and the next start clears what was prepared.
+    the first step they raise :class:`octlm.signals.Stopped` (Ctrl-C: ``KeyboardInterrupt``):
+    nothing was trained, and the next start clears what was prepared.
     ``clock`` (seconds) measures the training time that ``run.time_budget`` spends.
     """
     if run.init_from is not None and not resume:  # the run keeps its weights' tokenizer
@@ -111,7 +103,7 @@ def train(
     run = replace(run, dtype=cluster.share(resolve_dtype(run.dtype, cluster.device)))
     folder = Path(out)
     try:
-        with _stop_on_signals() as stop, run_folder.hold(folder, cluster):
+        with signals.stop_on_signals(STOPPING) as stop, run_folder.hold(folder, cluster):
             _check_run(model_config, run, cluster)
             summary = cluster.on_main(
                 lambda: run_folder.prepare(folder, model_config, run, resume, overwrite, progress)
@@ -123,7 +115,7 @@ def train(
 
 
 def _loop(
-    state: Training, summary: dict, resume: bool, progress: bool, stop: dict, chosen: bool
+    state: Training, summary: dict, resume: bool, progress: bool, stop: signals.Stop, chosen: bool
 ) -> Outcome:
     """Step until the run's steps or budget are done or a signal comes: records every
     ``log_every`` steps, checkpoints and evaluations at theirs and at the end."""
@@ -135,7 +127,7 @@ def _loop(
         _check_more_to_do(run, folder, start, stopwatch.elapsed)
         metrics.forget_after(start)
     state.launch()
-    stop["armed"] = True  # from here a signal ends the run after a step, with a checkpoint
+    stop.defer()  # from here a signal ends the run after a step, with a checkpoint
     if cluster.is_main:
         if not resume:  # everything before the first step worked: the folder is now a run
             run_folder.begun(folder, state.model_config, run)
@@ -155,7 +147,7 @@ def _loop(
             run_folder.store_config(folder, state.model_config, run)
         bar.update()
         tokens_seen += run.batch * run.length
-        signalled = cluster.any(stop["signal"] is not None)
+        signalled = cluster.any(stop.signal is not None)
         spent = run.time_budget is not None and stopwatch.elapsed >= run.budget_seconds
         final = step == run.steps or signalled or spent
         train_loss = None
@@ -202,7 +194,7 @@ def _loop(
             began, tokens_seen = time.perf_counter(), 0  # evaluation is not training time
         if signalled or spent:
             if not spent and step != run.steps:  # a signal in the last step ends nothing early
-                stopped_by = stop["signal"] or "a signal on another rank"
+                stopped_by = stop.signal or "a signal on another rank"
             break
     bar.close()
     if cluster.is_main and stopped_by:
@@ -551,28 +543,3 @@ def _announce(
 def _as_given(budget: str) -> str:
     """A time budget as written, a bare number marked as the seconds it means."""
     return f"{budget} seconds" if budget.strip().replace(".", "", 1).isdigit() else budget
-
-
-@contextlib.contextmanager
-def _stop_on_signals():
-    """``{"signal": name or None, "armed": bool}``. Once ``armed`` (training has begun), SIGINT,
-    SIGTERM and SIGHUP (a closed terminal or ssh session) set ``signal`` and the loop stops
-    after its step; before, they raise :class:`Interrupted`, so preparing the data stops at
-    once (its half-written files go)."""
-    stop = {"signal": None, "armed": False}
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def handler(signum, _frame):
-        if not stop["armed"]:
-            raise Interrupted(signum)
-        stop["signal"] = signal.Signals(signum).name
-
-    stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, handler) for s in stopping}
-    try:
-        yield stop
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)

@@ -34,9 +34,9 @@ import torch
 from octlm import records
 from octlm.attention import implementation
 from octlm.attention.tiled.options import DEFAULT_BLOCK
-from octlm.lab.bench.guard import run_stoppable
 from octlm.lab.bench.timing import Timing, time_calls
 from octlm.model import KVCache, ModelConfig, OctLM
+from octlm.signals import run_stoppable
 
 EXPERIMENT = "bench-decode"
 OUTPUT = Path("runs") / "bench-decode-cpu.jsonl"

@@ -35,8 +35,8 @@ from octlm import records
 from octlm.attention import block_mask, sdpa_attention, tiled_attention
 from octlm.attention.block_masks import document_mod
 from octlm.lab.bench.decode import positive_int
-from octlm.lab.bench.guard import run_stoppable
 from octlm.lab.bench.timing import time_calls
+from octlm.signals import run_stoppable
 
 EXPERIMENT = "bench-documents"
 OUTPUT = Path("runs") / "bench-documents-cpu.jsonl"

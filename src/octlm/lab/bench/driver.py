@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from octlm import records
+from octlm import records, signals
 from octlm.attention.tiled.options import parse_block
 from octlm.lab.bench import guard, memory
 from octlm.lab.bench.suites import Measurement, key_of, suite, suite_name
@@ -41,7 +41,6 @@ from octlm.lab.bench.worker import make_record
 WORKER = (sys.executable, "-m", "octlm.lab.bench.worker")
 # Statuses that a rerun would only repeat; ``--resume`` skips them.
 SETTLED = ("ok", "skipped", "unsupported")
-INTERRUPTED = 130
 
 
 def bench(
@@ -122,7 +121,7 @@ def run(
     run_id = previous or records.new_run()
     competitor = Competitor()
     try:
-        with guard.stop_on_signals(), competitor:
+        with signals.stop_on_signals(), competitor:
             if peak and todo and any(m.device == "cpu" for _, m in todo):
                 for busy in sorted({m.busy for _, m in todo}):
                     competitor.set(busy)
@@ -141,8 +140,8 @@ def run(
                         progress.write(
                             f"{measurement.label()}: {record['status']}: {record['reason']}"
                         )
-    except (KeyboardInterrupt, guard.Stopped) as stop:
-        code = 128 + stop.signum if isinstance(stop, guard.Stopped) else INTERRUPTED
+    except KeyboardInterrupt as stop:  # Ctrl-C, or signals.Stopped
+        code = 128 + signals.signal_number(stop)
         print(
             f"octlm bench: {str(stop) or 'interrupted'}; finished records kept in {output}",
             file=sys.stderr,

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from octlm import records
+from octlm import records, signals
 from octlm.attention import ring_attention, tiled_attention
 from octlm.attention.tiled.options import DEFAULT_BLOCK
 from octlm.context_parallel import DEFAULT_LAYOUT, LAYOUTS
@@ -224,7 +224,7 @@ def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
             print(f"{spec['backend']} W={world} {mode}: {summary}", flush=True)
 
-    return guard.run_stoppable(
+    return signals.run_stoppable(
         parser.prog, work, {ValueError: 2, OSError: 1}, kept=f"records kept in {args.output}"
     )
 

@@ -32,9 +32,9 @@ from tqdm.auto import tqdm
 
 from octlm import records
 from octlm.lab.bench.decode import positive_int
-from octlm.lab.bench.guard import run_stoppable
 from octlm.lab.bench.timing import time_calls
 from octlm.model import OctLM
+from octlm.signals import run_stoppable
 from octlm.training import data, resolve
 from octlm.training.metrics import METRICS, Metrics
 from octlm.training.optim import make_optimizer, make_scheduler
