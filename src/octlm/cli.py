@@ -58,9 +58,10 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
 
     # ValueError: an option or an output folder that cannot be written; OSError: a full disk.
     parser.set_defaults(
-        run=run, exits={ValueError: 2, OSError: 1},
+        run=run,
+        exits={ValueError: 2, OSError: 1},
         kept=lambda args: f"finished records are in {args.out}",
-    )  # fmt: skip
+    )
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
@@ -331,13 +332,24 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
 
         model, tokenizer, step = load_run(args.run_dir, args.device)
         text = generate_text(
-            model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed, tokenizer=tokenizer, stop=args.stop,
-        )  # fmt: skip
-        ending = "" if tokenizer.end_token is not None else (
-            ", no end-of-text token (a byte run)" if tokenizer.name == "bytes"
-            else ", no end-of-text token (a BPE run trained before it existed)"
-        )  # fmt: skip
+            model,
+            args.prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            tokenizer=tokenizer,
+            stop=args.stop,
+        )
+        ending = (
+            ""
+            if tokenizer.end_token is not None
+            else (
+                ", no end-of-text token (a byte run)"
+                if tokenizer.name == "bytes"
+                else ", no end-of-text token (a BPE run trained before it existed)"
+            )
+        )
         print(f"# {args.run_dir}, checkpoint of step {step}{ending}", file=sys.stderr)
         print(text)
         return 0

@@ -299,9 +299,15 @@ class Attention(nn.Module):
         # Causal is bottom-right aligned, so one rule serves a full sequence and a chunk after
         # cached keys: the structure is described, never materialised as a T x K mask.
         attended = impl.function(
-            query, key, value, causal=True, window=self.config.window,
-            dropout_p=self.dropout.p if self.training else 0.0, **documents, **tuning,
-        )  # (B, H, T, D)  # fmt: skip
+            query,
+            key,
+            value,
+            causal=True,
+            window=self.config.window,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            **documents,
+            **tuning,
+        )  # (B, H, T, D)
         attended = attended.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
         return self.dropout(self.output(attended))
 

@@ -57,13 +57,24 @@ REQUIRED: dict[str, dict[str, tuple]] = {
 # before the field existed reads as the default, so absence is allowed, but not ``null`` where
 # the type does not name it).
 SHAPED = {
-    "dtype": (str,), "batch": (int,), "heads": (int,), "kv_heads": (int,), "head_size": (int,),
-    "q_len": (int,), "causal": (bool,), "window": (int,), "padding": NUMBER,
-    "block": (list, type(None)), "busy": (bool,), "feature": (str, type(None)),
-    "round": (int,), "run": (str, type(None)), "threads": (int, type(None)),
+    "dtype": (str,),
+    "batch": (int,),
+    "heads": (int,),
+    "kv_heads": (int,),
+    "head_size": (int,),
+    "q_len": (int,),
+    "causal": (bool,),
+    "window": (int,),
+    "padding": NUMBER,
+    "block": (list, type(None)),
+    "busy": (bool,),
+    "feature": (str, type(None)),
+    "round": (int,),
+    "run": (str, type(None)),
+    "threads": (int, type(None)),
     **dict.fromkeys(("cpu_seconds", "wall_seconds", "load_before", "load_after"), SOME_NUMBER),
     "cpus": (int, type(None)),
-}  # fmt: skip
+}
 # What a measurement can end as (bench and ring records).
 STATUSES = ("ok", "skipped", "unsupported", "oom", "timeout", "killed", "error")
 # A training run's records: a diverged run's losses are NaN or infinite, and that is what it did.

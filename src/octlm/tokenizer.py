@@ -185,9 +185,11 @@ class BPETokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size - 1, show_progress=False, special_tokens=[],
+            vocab_size=vocab_size - 1,
+            show_progress=False,
+            special_tokens=[],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )  # fmt: skip
+        )
         runs = (run for data in texts for run in _valid_runs(_checked_data(data))[::2] if run)
         tokenizer.train_from_iterator(runs, trainer=trainer)
         learned = tokenizer.get_vocab_size() + 1  # with the end of text

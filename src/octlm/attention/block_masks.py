@@ -108,8 +108,9 @@ class BlockMask:
 
     def dense(self, device=None) -> Tensor:
         """The whole mask, bool ``(b, h, q_len, k_len)``, for implementations that need one."""
-        return _evaluate(self.mask_mod, self.batch, self.heads, range(self.q_len),
-                         range(self.k_len), device)  # fmt: skip
+        return _evaluate(
+            self.mask_mod, self.batch, self.heads, range(self.q_len), range(self.k_len), device
+        )
 
     def counts(self, batch: int = 0, head: int = 0) -> dict[str, int]:
         """How many block pairs of one batch element and head are empty (skipped), partial
@@ -137,8 +138,14 @@ class BlockMask:
         figure = Figure(figsize=(4.2, 4.6), layout="constrained")
         axes = figure.subplots()
         # Each square drawn block_q tall and block_k wide, so the picture is to scale in tokens.
-        axes.imshow(state.cpu().numpy(), cmap=ListedColormap(colours), vmin=0, vmax=2,
-                    interpolation="nearest", aspect=self.block[0] / self.block[1])  # fmt: skip
+        axes.imshow(
+            state.cpu().numpy(),
+            cmap=ListedColormap(colours),
+            vmin=0,
+            vmax=2,
+            interpolation="nearest",
+            aspect=self.block[0] / self.block[1],
+        )
         rows, columns = state.shape
         axes.set_xticks([x - 0.5 for x in range(columns + 1)], minor=True)
         axes.set_yticks([y - 0.5 for y in range(rows + 1)], minor=True)
@@ -151,8 +158,14 @@ class BlockMask:
             Patch(facecolor=colour, edgecolor="#888888", label=f"{name} ({counts[name]})")
             for name, colour in zip(STATES, colours, strict=True)
         ]
-        axes.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3,
-                    frameon=False, fontsize="small")  # fmt: skip
+        axes.legend(
+            handles=legend,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.08),
+            ncol=3,
+            frameon=False,
+            fontsize="small",
+        )
         axes.set_title(title or f"{self.q_len} queries x {self.k_len} keys", fontsize="medium")
         return figure
 
@@ -179,9 +192,11 @@ def block_mask(
             raise ValueError(f"{name} must be an int >= 0, got {number!r}")
     rows, columns = Spans.of(q_len, block_q, device), Spans.of(k_len, block_k, device)
     state = torch.full(
-        (batch, heads, len(rows.first), len(columns.first)), PARTIAL, dtype=torch.int8,
+        (batch, heads, len(rows.first), len(columns.first)),
+        PARTIAL,
+        dtype=torch.int8,
         device=device,
-    )  # fmt: skip
+    )
     if isinstance(mask_mod, Pattern) and state.numel():
         full, empty = mask_mod.classify(rows, columns)
         state[:] = torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL))
@@ -204,9 +219,7 @@ def block_mask(
         for index in mixed.nonzero().flatten().tolist():
             part = visible[..., index * block_k : (index + 1) * block_k]  # (b, h, R, C)
             pieces[(q_block, first + index)] = part.contiguous()
-    return BlockMask(
-        mask_mod, batch, heads, q_len, k_len, (block_q, block_k), state, pieces
-    )  # fmt: skip
+    return BlockMask(mask_mod, batch, heads, q_len, k_len, (block_q, block_k), state, pieces)
 
 
 def _same_everywhere(state: Tensor, value: int) -> Tensor:

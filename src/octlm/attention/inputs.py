@@ -182,9 +182,7 @@ def check(call: Call, *, dropout: bool = True, values: bool = True) -> Call:
             if values and batch and (bound.min() < 0 or bound.max() > k_len):
                 raise ValueError(f"{name} must lie in [0, k_len={k_len}], got {bound.tolist()}")
     if call.document_ids is not None:
-        _check_integers(
-            "document_ids", call.document_ids, query, (batch, k_len), "(batch, k_len)"
-        )  # fmt: skip
+        _check_integers("document_ids", call.document_ids, query, (batch, k_len), "(batch, k_len)")
         if q_len > k_len:
             raise ValueError(
                 f"document_ids needs q_len <= k_len (query row i is in the document of key "

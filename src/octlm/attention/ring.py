@@ -118,9 +118,12 @@ class _Ring:
 
 
 def _visible_pairs(
-    queries: list[Piece], keys: list[Piece], options: dict, query_ids: Tensor | None,
+    queries: list[Piece],
+    keys: list[Piece],
+    options: dict,
+    query_ids: Tensor | None,
     key_ids: Tensor | None,
-) -> Iterator[tuple[Piece, Piece, int, tuple[Tensor, Tensor] | None]]:  # fmt: skip
+) -> Iterator[tuple[Piece, Piece, int, tuple[Tensor, Tensor] | None]]:
     """``(query piece, key piece, past, documents)`` for every pair that the rules do not hide
     entirely. ``documents`` is ``(query ids (B, q.length), key ids (B, k.length))``, or None
     without document ids; pairs whose id ranges do not meet in any batch element share no
@@ -142,9 +145,15 @@ def _visible_pairs(
 
 
 def _ring_forward(
-    query: Tensor, key: Tensor, value: Tensor, ids: Tensor | None, alibi_slopes: Tensor | None,
-    sinks: Tensor | None, ring: _Ring, options: dict,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    ids: Tensor | None,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
+    ring: _Ring,
+    options: dict,
+) -> tuple[Tensor, Tensor]:
     """Normalised ``out (B, H, L, D)`` and ``lse (B, H, L)`` over all keys, accumulation dtype.
 
     ``ids (B, L)``, this rank's document ids, travel round with the key/value shard they
@@ -214,11 +223,15 @@ def _ring_backward(
         keys = ring.pieces(owner, local_len)
         for q, k, past, documents in _visible_pairs(queries, keys, options, ids, key_ids):
             dq, dk, dv = attend_backward(
-                query[:, :, q.span], key[:, :, k.span], value[:, :, k.span],
-                grad_out[:, :, q.span], lse[:, :, q.span], delta[:, :, q.span],
+                query[:, :, q.span],
+                key[:, :, k.span],
+                value[:, :, k.span],
+                grad_out[:, :, q.span],
+                lse[:, :, q.span],
+                delta[:, :, q.span],
                 Rules(past=past, documents=documents, alibi_slopes=alibi_slopes, **options),
                 grad_alibi=grad_alibi,
-            )  # fmt: skip
+            )
             grad_query[:, :, q.span] += dq
             grad_key[:, :, k.span] += dk
             grad_value[:, :, k.span] += dv
@@ -259,9 +272,18 @@ class _RingAttention(torch.autograd.Function):
             groups = query.shape[1] // key.shape[1]
             grad_alibi = lse.new_zeros(query.shape[0], key.shape[1], groups)  # (B, Hkv, G)
         grad_query, grad_key, grad_value = _ring_backward(
-            query, key, value, ids, lse, delta, grad_out, ctx.ring, ctx.options, alibi_slopes,
+            query,
+            key,
+            value,
+            ids,
+            lse,
+            delta,
+            grad_out,
+            ctx.ring,
+            ctx.options,
+            alibi_slopes,
             grad_alibi,
-        )  # fmt: skip
+        )
         if grad_alibi is not None:
             grad_alibi = slope_gradient(grad_alibi, alibi_slopes)
         grad_sinks = None
@@ -335,22 +357,40 @@ def ring_attention(
     description = {
         "dtype": getattr(query, "dtype", None),
         "device": query.device.type if isinstance(query, Tensor) else None,
-        "query shape": _shape(query), "key shape": _shape(key), "value shape": _shape(value),
-        "causal": call.causal, "window": call.window, "layout": layout, "scale": call.scale,
-        "block": block, "dropout_p": call.dropout_p, "mask": call.mask is not None,
-        "key_lengths": call.key_lengths is not None, "document_ids": _shape(call.document_ids),
-        "softcap": call.softcap, "alibi_slopes": _shape(call.alibi_slopes),
+        "query shape": _shape(query),
+        "key shape": _shape(key),
+        "value shape": _shape(value),
+        "causal": call.causal,
+        "window": call.window,
+        "layout": layout,
+        "scale": call.scale,
+        "block": block,
+        "dropout_p": call.dropout_p,
+        "mask": call.mask is not None,
+        "key_lengths": call.key_lengths is not None,
+        "document_ids": _shape(call.document_ids),
+        "softcap": call.softcap,
+        "alibi_slopes": _shape(call.alibi_slopes),
         "sinks": _shape(call.sinks),
-    }  # fmt: skip
+    }
     group, rank, world = agree(group, "ring_attention", description, problem)
     options = dict(
-        causal=call.causal, window=call.window, scale=call.scale, block=block,
+        causal=call.causal,
+        window=call.window,
+        scale=call.scale,
+        block=block,
         softcap=call.softcap,
-    )  # fmt: skip
+    )
     ring = _Ring(group, rank, world, layout)
     # Point-to-point sends need contiguous tensors (the model's values are a transposed view).
     ids = None if call.document_ids is None else call.document_ids.contiguous()
     return _RingAttention.apply(
-        query, key.contiguous(), value.contiguous(), ids, call.alibi_slopes, call.sinks, ring,
+        query,
+        key.contiguous(),
+        value.contiguous(),
+        ids,
+        call.alibi_slopes,
+        call.sinks,
+        ring,
         options,
-    )  # fmt: skip
+    )

@@ -248,10 +248,17 @@ def structured_mask(
         if q_length <= keys <= kv_length:
             return StructuredMask(causal, window, keys, *_padding(attention_mask, kv_offset, keys))
     dense = sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-        allow_is_causal_skip=False, use_vmap=use_vmap, device=device,
-    )  # fmt: skip
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        use_vmap=use_vmap,
+        device=device,
+    )
     return StructuredMask(causal=False, window=0, mask=dense)  # (B, 1, Q, K) bool
 
 

@@ -39,9 +39,18 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, query, key, value, mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks,
+        ctx,
+        query,
+        key,
+        value,
+        mask,
+        key_lengths,
+        key_starts,
+        document_ids,
+        alibi_slopes,
+        sinks,
         rules,
-    ):  # fmt: skip
+    ):
         tensors = mask, key_lengths, key_starts, document_ids, alibi_slopes, sinks
         out, rows = _forward(query, key, value, tensors, rules)
         ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, *tensors)
@@ -73,9 +82,18 @@ class _TiledAttention(torch.autograd.Function):
             spread = torch.zeros_like(residue)
         rows = RowStats(shift, total, ctx.units, ctx.careful, *ctx.tiles)
         grad_query, grad_key, grad_value = attend_backward(
-            query, key, value, grad_out, rows, delta, _rules_with(ctx.rules, *tensors),
-            grad_mask=grad_mask, grad_alibi=grad_alibi, residue=residue, spread=spread,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            grad_out,
+            rows,
+            delta,
+            _rules_with(ctx.rules, *tensors),
+            grad_mask=grad_mask,
+            grad_alibi=grad_alibi,
+            residue=residue,
+            spread=spread,
+        )
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
@@ -112,9 +130,14 @@ def _rules_with(rules, mask, key_lengths, key_starts, document_ids, alibi_slopes
     """``rules`` with the caller's tensors; row ``i`` is in the document of key ``past + i``."""
     documents = None if document_ids is None else (document_ids[:, rules.past :], document_ids)
     return replace(
-        rules, mask=mask, key_lengths=key_lengths, key_starts=key_starts, documents=documents,
-        alibi_slopes=alibi_slopes, sinks=sinks,
-    )  # fmt: skip
+        rules,
+        mask=mask,
+        key_lengths=key_lengths,
+        key_starts=key_starts,
+        documents=documents,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+    )
 
 
 @keyword_only
@@ -212,9 +235,14 @@ def tiled_call(
 
         return triton_call(call, return_lse=return_lse)
     rules = Rules(
-        past=call.past, scale=call.scale, causal=call.causal, window=call.window, block=block,
-        softcap=call.softcap, block_mask=call.block_mask,
-    )  # fmt: skip
+        past=call.past,
+        scale=call.scale,
+        causal=call.causal,
+        window=call.window,
+        block=block,
+        softcap=call.softcap,
+        block_mask=call.block_mask,
+    )
     tensors = [getattr(call, name) for name in TENSORS]
     inputs = (call.query, call.key, call.value, *tensors)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):

@@ -155,9 +155,10 @@ def attend_backward(
                 units.exp_(probs_t)  # exp(score - shift): probabilities times total
                 grad_value[:, mine] += torch.bmm(probs_t, do_block, out=products)
                 grad_scores_t = torch.bmm(
-                    value[:, keys_here], do_block.transpose(1, 2),
+                    value[:, keys_here],
+                    do_block.transpose(1, 2),
                     out=walk.tile("grad_t", *probs_t.shape),
-                )  # (B*Hkv, C, R), d loss / d probsᵀ  # fmt: skip
+                )  # (B*Hkv, C, R), d loss / d probsᵀ
                 grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
                 if grad_mask is not None:
                     grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(

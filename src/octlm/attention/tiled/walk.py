@@ -214,9 +214,13 @@ class BlockWalk:
         key = (len(rows), len(columns), offset)
         if key not in self._edges:
             visible = allowed(
-                range(len(rows)), range(len(columns)), offset, self.causal, self.window,
+                range(len(rows)),
+                range(len(columns)),
+                offset,
+                self.causal,
+                self.window,
                 self.keys.device,
-            )  # fmt: skip
+            )
             bias = torch.zeros(visible.shape, dtype=self.keys.dtype, device=self.keys.device)
             self._edges[key] = bias.masked_fill_(~visible, NEG_INF)
         return self._edges[key]
@@ -229,7 +233,7 @@ class BlockWalk:
         if key not in self._distances:
             self._distances[key] = distance(
                 range(len(rows)), range(len(columns)), offset, self.keys.dtype, self.keys.device
-            )  # fmt: skip
+            )
         return self._distances[key]
 
     def scores(

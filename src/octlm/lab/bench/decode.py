@@ -94,9 +94,13 @@ def attention_alone(
 def load_fields(timing: Timing) -> dict:
     """How busy the machine was around a measurement: the load average before and after, and
     the CPU share each thread got."""
-    rounded = {name: None if value is None else round(value, 2)
-               for name, value in (("loadavg_before", timing.load_before),
-                                   ("loadavg_after", timing.load_after))}  # fmt: skip
+    rounded = {
+        name: None if value is None else round(value, 2)
+        for name, value in (
+            ("loadavg_before", timing.load_before),
+            ("loadavg_after", timing.load_after),
+        )
+    }
     return {**rounded, "cpu_share": round(timing.cpu_share(torch.get_num_threads()), 3)}
 
 
@@ -130,11 +134,18 @@ def measure(args: argparse.Namespace, context: int, generator: torch.Generator) 
 
     def write(stage: str, name: str, timing: Timing, **fields) -> None:
         record = {
-            **records.make("check", EXPERIMENT), "stage": stage, "attention": name,
-            "context": context, "batch": args.batch, "dtype": "float32",
+            **records.make("check", EXPERIMENT),
+            "stage": stage,
+            "attention": name,
+            "context": context,
+            "batch": args.batch,
+            "dtype": "float32",
             **{key: value for key, value in asdict(config).items() if key != "attention"},
-            "head_size": config.head_size, **load_fields(timing), **fields, "pid": os.getpid(),
-        }  # fmt: skip
+            "head_size": config.head_size,
+            **load_fields(timing),
+            **fields,
+            "pid": os.getpid(),
+        }
         records.append(args.output, record)
         written.append(record)
 
@@ -145,28 +156,48 @@ def measure(args: argparse.Namespace, context: int, generator: torch.Generator) 
         )
         [(cache, logits)] = filled
         seconds = timing.seconds[0]
-        write("prefill", args.prefill, timing, chunk=args.chunk, seconds=seconds,
-              tokens_per_second=context * args.batch / seconds)  # fmt: skip
+        write(
+            "prefill",
+            args.prefill,
+            timing,
+            chunk=args.chunk,
+            seconds=seconds,
+            tokens_per_second=context * args.batch / seconds,
+        )
         for round_ in range(args.rounds):
             for name in alternating(round_):
                 cache.length = context  # rewind: the decoded positions get overwritten
                 timing, tokens = decode(models[name], cache, logits, args.new_tokens)
                 per_token = records.timing(timing.seconds)
-                write("decode", name, timing, round=round_, new_tokens=args.new_tokens,
-                      seconds=sum(timing.seconds),
-                      seconds_per_token_median=per_token["seconds_median"],
-                      seconds_per_token_iqr=per_token["seconds_iqr"],
-                      seconds_per_token=timing.seconds,
-                      tokens_per_second=args.new_tokens * args.batch / sum(timing.seconds),
-                      tokens=tokens.tolist())  # fmt: skip
+                write(
+                    "decode",
+                    name,
+                    timing,
+                    round=round_,
+                    new_tokens=args.new_tokens,
+                    seconds=sum(timing.seconds),
+                    seconds_per_token_median=per_token["seconds_median"],
+                    seconds_per_token_iqr=per_token["seconds_iqr"],
+                    seconds_per_token=timing.seconds,
+                    tokens_per_second=args.new_tokens * args.batch / sum(timing.seconds),
+                    tokens=tokens.tolist(),
+                )
         cache.length = context
         for round_ in range(args.rounds):
             for layout in ("cache", "contiguous"):
                 for name in alternating(round_):
                     timing = attention_alone(name, config, cache, layout, args.repeats)
-                    write("attention", name, timing, round=round_, layout=layout, q_len=1,
-                          k_len=context, repeats=args.repeats,
-                          **records.timing(timing.seconds))  # fmt: skip
+                    write(
+                        "attention",
+                        name,
+                        timing,
+                        round=round_,
+                        layout=layout,
+                        q_len=1,
+                        k_len=context,
+                        repeats=args.repeats,
+                        **records.timing(timing.seconds),
+                    )
     return written
 
 
@@ -199,8 +230,10 @@ def report(written: list[dict]) -> str:
             )
             note = f"same tokens: {same}"
         else:
-            fastest = {name: min(min(pair[name]["seconds"]) for pair in rounds.values())
-                       for name in ATTENTIONS}  # fmt: skip
+            fastest = {
+                name: min(min(pair[name]["seconds"]) for pair in rounds.values())
+                for name in ATTENTIONS
+            }
             note = f"{layout} keys; fastest call " + ", ".join(
                 f"{name} {seconds * 1e3:.3f} ms" for name, seconds in fastest.items()
             )
@@ -243,9 +276,11 @@ def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
     return run_stoppable(
-        parser.prog, lambda: print(report(run(args))), {OSError: 1},
+        parser.prog,
+        lambda: print(report(run(args))),
+        {OSError: 1},
         kept=f"finished records are in {args.output}",
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

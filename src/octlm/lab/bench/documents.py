@@ -128,10 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument(
-        "--threads", type=positive_int, default=None,
+        "--threads",
+        type=positive_int,
+        default=None,
         help="intra-op threads (default: torch's); on a shared, oversubscribed machine 1 "
         "keeps thread synchronisation out of the figures",
-    )  # fmt: skip
+    )
     parser.add_argument("--output", type=Path, default=OUTPUT)
 
 
@@ -148,18 +150,18 @@ def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     return run_stoppable(
-        parser.prog, lambda: run(args), {OSError: 1},
+        parser.prog,
+        lambda: run(args),
+        {OSError: 1},
         kept="no records: they are written once every round has run",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     """Measure every backend in interleaved rounds, then append one record per backend."""
     generator = torch.Generator().manual_seed(0)
     shape = (1, args.heads, args.length, args.head_size)
-    query, key, value = (
-        torch.randn(shape, generator=generator).requires_grad_() for _ in range(3)
-    )  # fmt: skip
+    query, key, value = (torch.randn(shape, generator=generator).requires_grad_() for _ in range(3))
     ids = packed(args.length, args.documents)
     load_before = os.getloadavg()
     calls = backends(query, key, value, ids, args.modes)
@@ -203,8 +205,10 @@ def run(args: argparse.Namespace) -> None:
         if backend == "flex":
             record["mask_build_seconds"] = build_seconds
         records.append(args.output, record)
-        print(f"{backend:6s} {mode:8s} median {record['seconds_median']:.3f} s  "
-              f"spread {record['seconds_spread']:.3f} s")  # fmt: skip
+        print(
+            f"{backend:6s} {mode:8s} median {record['seconds_median']:.3f} s  "
+            f"spread {record['seconds_spread']:.3f} s"
+        )
     if flex_status != "ok":
         failed = {"backend": "flex", "mode": "forward", "status": flex_status}
         records.append(args.output, base | failed | {"reason": flex_reason})

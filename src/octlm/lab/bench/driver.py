@@ -224,8 +224,15 @@ def _guard(m: Measurement, probe: dict, **where) -> dict | None:
         f"score matrices need about {need / 2**30:.1f} GiB ({m.backend} {m.mode}); "
         f"{available / 2**30:.1f} GiB {source}"
     )
-    return make_record(m, where["experiment"], probe, run=where["run"], round=where["round"],
-                       status="skipped", reason=reason)  # fmt: skip
+    return make_record(
+        m,
+        where["experiment"],
+        probe,
+        run=where["run"],
+        round=where["round"],
+        status="skipped",
+        reason=reason,
+    )
 
 
 def _spawn(m: Measurement, probe: dict, timeout: float, **where) -> dict:
@@ -301,11 +308,22 @@ def _oom_kills() -> int | None:
     return None
 
 
-def _failure(m: Measurement, probe: dict, pid: int, status: str, reason: str, *,
-             experiment: str, run: str | None = None, round: int = 1, **more) -> dict:  # fmt: skip
+def _failure(
+    m: Measurement,
+    probe: dict,
+    pid: int,
+    status: str,
+    reason: str,
+    *,
+    experiment: str,
+    run: str | None = None,
+    round: int = 1,
+    **more,
+) -> dict:
     """The record of a measurement whose worker gave none."""
-    return make_record(m, experiment, probe, run=run, round=round, status=status, reason=reason,
-                       pid=pid, **more)  # fmt: skip
+    return make_record(
+        m, experiment, probe, run=run, round=round, status=status, reason=reason, pid=pid, **more
+    )
 
 
 def _kill(worker: subprocess.Popen) -> None:

@@ -55,9 +55,12 @@ def _worker(rank: int, spec: dict, folder: str) -> None:
     try:
         if world > 1:
             dist.init_process_group(
-                "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                "gloo",
+                init_method=f"file://{folder}/store",
+                rank=rank,
+                world_size=world,
                 timeout=datetime.timedelta(seconds=spec["timeout"]),
-            )  # fmt: skip
+            )
         result.update(_measure(rank, spec))
         if world > 1:
             dist.destroy_process_group()
@@ -96,9 +99,11 @@ def _measure(rank: int, spec: dict) -> dict:
     barrier = dist.barrier if world > 1 else None  # a repeat lasts as long as the slowest rank
     timed = time_calls(step, spec["repeats"], warmup=spec["warmup"], fence=barrier)
     return {
-        "status": "ok", "seconds": timed.seconds, "baseline": baseline,
+        "status": "ok",
+        "seconds": timed.seconds,
+        "baseline": baseline,
         "peak": memory.peak("cpu"),
-    }  # fmt: skip
+    }
 
 
 RUN_FIELDS = ("threads", "timeout", "parent", "run")  # how to run, not what is measured

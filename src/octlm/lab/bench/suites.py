@@ -62,10 +62,12 @@ class Measurement:
         extra = "".join(
             f" {name}={value}"
             for name, value in (
-                ("window", self.window), ("padding", self.padding), ("feature", self.feature)
+                ("window", self.window),
+                ("padding", self.padding),
+                ("feature", self.feature),
             )
             if value
-        )  # fmt: skip
+        )
         return f"{self.backend} {self.mode} {self.dtype} {shape}{extra}" + " busy" * self.busy
 
 
@@ -131,8 +133,17 @@ class Grid:
         )
         out = []
         for (
-            length, head_size, dtype, mode, q_len, window, padding, busy, feature, backend,
-        ) in combos:  # fmt: skip
+            length,
+            head_size,
+            dtype,
+            mode,
+            q_len,
+            window,
+            padding,
+            busy,
+            feature,
+            backend,
+        ) in combos:
             if q_len is not None and q_len > length:
                 continue  # more new queries than keys: not a cache shape
             out.append(

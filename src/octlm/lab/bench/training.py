@@ -144,11 +144,17 @@ def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 3)
         corpus = _corpus(Path(scratch))
         for length in lengths:
             run_values = dict(
-                data=str(corpus), length=length, batch=TOKENS_PER_STEP // length,
-                steps=2 * steps + 1, log_every=steps, eval_every=10**6,
-                checkpoint_every=10**6, eval_batches=1, sample_tokens=0,
+                data=str(corpus),
+                length=length,
+                batch=TOKENS_PER_STEP // length,
+                steps=2 * steps + 1,
+                log_every=steps,
+                eval_every=10**6,
+                checkpoint_every=10**6,
+                eval_batches=1,
+                sample_tokens=0,
                 tokenizer="bytes",  # the bare loop draws byte tokens
-            )  # fmt: skip
+            )
             model_config, run = resolve(run=run_values)
             loop, bare = [], []
             for _ in range(repeats):  # interleaved: the machine's load hits both alike
@@ -157,13 +163,19 @@ def overhead(output: str, lengths=(256, 1024), steps: int = 5, repeats: int = 3)
             extras = _extras(model_config, run, corpus, Path(scratch))
             bare_step = run.batch * run.length / statistics.median(bare)  # seconds
             record = records.make("check", "train-overhead") | {
-                "length": length, "batch": run.batch, "steps": steps, "repeats": repeats,
-                "extras_seconds": extras, "bare_step_seconds": bare_step,
+                "length": length,
+                "batch": run.batch,
+                "steps": steps,
+                "repeats": repeats,
+                "extras_seconds": extras,
+                "bare_step_seconds": bare_step,
                 "extras_share": sum(extras.values()) / bare_step,
-                "loop_tokens_per_second": loop, "bare_tokens_per_second": bare,
-                "loop_median": statistics.median(loop), "bare_median": statistics.median(bare),
+                "loop_tokens_per_second": loop,
+                "bare_tokens_per_second": bare,
+                "loop_median": statistics.median(loop),
+                "bare_median": statistics.median(bare),
                 "overhead": 1 - statistics.median(loop) / statistics.median(bare),
-            }  # fmt: skip
+            }
             records.append(output, record)
             print(json.dumps(record))
 
@@ -210,19 +222,52 @@ def _train_attention(corpus, folder, name, length, packed, dtype, half) -> dict:
     ``half``; its record."""
     batch = max(1, TOKENS_PER_STEP // length)
     command = [
-        sys.executable, "-m", "octlm", "train", "--data", str(corpus), "--out", str(folder),
-        "--overwrite", "--attention", name, "--length", str(length), "--batch", str(batch),
-        "--pack" if packed else "--no-pack", "--dtype", dtype, "--steps", str(2 * half),
-        "--log-every", str(half), "--eval-every", str(10**6), "--checkpoint-every", str(10**6),
-        "--eval-batches", "1", "--sample-tokens", "0",
+        sys.executable,
+        "-m",
+        "octlm",
+        "train",
+        "--data",
+        str(corpus),
+        "--out",
+        str(folder),
+        "--overwrite",
+        "--attention",
+        name,
+        "--length",
+        str(length),
+        "--batch",
+        str(batch),
+        "--pack" if packed else "--no-pack",
+        "--dtype",
+        dtype,
+        "--steps",
+        str(2 * half),
+        "--log-every",
+        str(half),
+        "--eval-every",
+        str(10**6),
+        "--checkpoint-every",
+        str(10**6),
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
         # fixed, not the defaults: the records compare attentions across the same recipe
-        "--tokenizer", "bytes", "--optimizer", "adamw",
-    ]  # fmt: skip
+        "--tokenizer",
+        "bytes",
+        "--optimizer",
+        "adamw",
+    ]
     finished = subprocess.run(command, capture_output=True, text=True)
     record = records.make("check", "train-attention") | {
-        "attention": name, "length": length, "packed": packed, "dtype": dtype, "batch": batch,
-        "steps": 2 * half, "status": "ok" if finished.returncode == 0 else "error",
-    }  # fmt: skip
+        "attention": name,
+        "length": length,
+        "packed": packed,
+        "dtype": dtype,
+        "batch": batch,
+        "steps": 2 * half,
+        "status": "ok" if finished.returncode == 0 else "error",
+    }
     if finished.returncode != 0:
         return record | {"reason": finished.stderr.strip().splitlines()[-1:]}
     last = [r for r in records.read(folder / METRICS) if r["kind"] == "train_step"][-1]
@@ -232,34 +277,51 @@ def _train_attention(corpus, folder, name, length, packed, dtype, half) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's options, on ``parser`` (its own, or ``octlm bench``'s subcommand)."""
     parser.add_argument(
-        "--what", nargs="+", choices=("overhead", "attention"), default=["overhead", "attention"],
+        "--what",
+        nargs="+",
+        choices=("overhead", "attention"),
+        default=["overhead", "attention"],
         help="overhead: train() against a bare loop; attention: one octlm train per "
         "implementation (default both)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--lengths", nargs="+", type=positive_int, metavar="T",
+        "--lengths",
+        nargs="+",
+        type=positive_int,
+        metavar="T",
         help="tokens per row (default 256 1024 for overhead, 1024 4096 for attention)",
-    )  # fmt: skip
+    )
     parser.add_argument("--steps", type=positive_int, help="steps per run (default 5, 6)")
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="overhead: runs of each, interleaved"
     )
     parser.add_argument(
-        "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
+        "--dtypes",
+        nargs="+",
+        choices=("float32", "bfloat16"),
+        default=["float32", "bfloat16"],
         help="attention: the training dtypes",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--attention", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
+        "--attention",
+        nargs="+",
+        choices=IMPLEMENTATIONS,
+        default=list(IMPLEMENTATIONS),
         help="attention: the implementations (default all)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--packing", nargs="+", choices=("off", "on"), default=["off"],
+        "--packing",
+        nargs="+",
+        choices=("off", "on"),
+        default=["off"],
         help="attention: random windows (off), rows of whole documents (on), or both",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--rounds", type=positive_int, default=1,
+        "--rounds",
+        type=positive_int,
+        default=1,
         help="attention: rounds of every run, the implementations alternating",
-    )  # fmt: skip
+    )
     parser.add_argument("--output", default=OUTPUT)
 
 
@@ -281,9 +343,13 @@ def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             overhead(args.output, repeats=args.repeats, **sizes)
         if "attention" in args.what:
             attention(
-                args.output, dtypes=args.dtypes, implementations=args.attention,
-                packing=[mode == "on" for mode in args.packing], rounds=args.rounds, **sizes,
-            )  # fmt: skip
+                args.output,
+                dtypes=args.dtypes,
+                implementations=args.attention,
+                packing=[mode == "on" for mode in args.packing],
+                rounds=args.rounds,
+                **sizes,
+            )
 
     return run_stoppable(
         parser.prog, work, {OSError: 1}, kept=f"finished records are in {args.output}"

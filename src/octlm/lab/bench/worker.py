@@ -267,10 +267,19 @@ def matmul_peak(
     timing = records.timing(timed.seconds)
     gflops = 2 * size**3 / timing["seconds_median"] / 1e9
     return records.make(
-        "peak", experiment, "cpu", run=run, size=size, dtype="float32", busy=busy,
-        gflops=gflops, **timing, load_before=timed.load_before, load_after=timed.load_after,
+        "peak",
+        experiment,
+        "cpu",
+        run=run,
+        size=size,
+        dtype="float32",
+        busy=busy,
+        gflops=gflops,
+        **timing,
+        load_before=timed.load_before,
+        load_after=timed.load_after,
         pid=os.getpid(),
-    )  # fmt: skip
+    )
 
 
 def _test_fault(backend: str) -> None:

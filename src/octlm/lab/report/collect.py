@@ -140,14 +140,16 @@ def measurements(found: Iterable[dict]) -> list[dict]:
             out.append(ok[0] if ok else group[-1])
             continue
         crowded = next((r for r in ok if busy(r)), None)  # a busy round marks the median
-        out.append({
-            **ok[-1],
-            **({name: crowded.get(name) for name in LOAD_FIELDS} if crowded else {}),
-            "seconds_median": statistics.median(r["seconds_median"] for r in ok),
-            "seconds": [s for r in ok for s in r.get("seconds") or []],
-            "extra_bytes": int(statistics.median(r["extra_bytes"] for r in ok)),
-            "rounds": len(ok),
-        })  # fmt: skip
+        out.append(
+            {
+                **ok[-1],
+                **({name: crowded.get(name) for name in LOAD_FIELDS} if crowded else {}),
+                "seconds_median": statistics.median(r["seconds_median"] for r in ok),
+                "seconds": [s for r in ok for s in r.get("seconds") or []],
+                "extra_bytes": int(statistics.median(r["extra_bytes"] for r in ok)),
+                "rounds": len(ok),
+            }
+        )
     return out
 
 

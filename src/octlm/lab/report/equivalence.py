@@ -7,26 +7,36 @@ from octlm.lab.report.format import filled_by, table
 # (check, the baseline's figure, the record field whose worst value is shown, which records).
 ROWS = (
     (
-        "tiled vs SDPA, float32, lengths 128-1,024, blocks 64-256", "4.8e-7",
-        "max_abs_diff", dict(experiment="tiled-sdpa", left="tiled"),
+        "tiled vs SDPA, float32, lengths 128-1,024, blocks 64-256",
+        "4.8e-7",
+        "max_abs_diff",
+        dict(experiment="tiled-sdpa", left="tiled"),
     ),
     (
-        "tiled vs float64 reference (same cases)", "none",
-        "error", dict(experiment="tiled-sdpa", left="tiled"),
+        "tiled vs float64 reference (same cases)",
+        "none",
+        "error",
+        dict(experiment="tiled-sdpa", left="tiled"),
     ),
     (
-        "SDPA vs float64 reference (same lengths)", "none",
-        "error", dict(experiment="tiled-sdpa", left="sdpa"),
+        "SDPA vs float64 reference (same lengths)",
+        "none",
+        "error",
+        dict(experiment="tiled-sdpa", left="sdpa"),
     ),
     (
-        "whole model, SDPA vs naive logits, 8/4/2/1 KV heads", "1.1e-6",
-        "max_abs_diff", dict(check="model logits", left="sdpa"),
+        "whole model, SDPA vs naive logits, 8/4/2/1 KV heads",
+        "1.1e-6",
+        "max_abs_diff",
+        dict(check="model logits", left="sdpa"),
     ),
     (
-        "whole model, tiled vs naive logits, 8/4/2/1 KV heads", "none",
-        "max_abs_diff", dict(check="model logits", left="tiled"),
+        "whole model, tiled vs naive logits, 8/4/2/1 KV heads",
+        "none",
+        "max_abs_diff",
+        dict(check="model logits", left="tiled"),
     ),
-)  # fmt: skip
+)
 
 
 def section(checks: list[dict]) -> list[str]:

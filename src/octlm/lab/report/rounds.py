@@ -133,10 +133,16 @@ def section(found: Collected) -> list[str]:
     for shape, backend, found_pairs in longest(pairs(found, "backend", "flash"), "backend"):
         ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
         tops, bottoms = zip(*found_pairs, strict=True)
-        body.append([
-            f"{shape['device']} {describe(shape)}", f"{backend} ÷ FLASH", spread(ratios),
-            _of_peak(found, list(tops)), _of_peak(found, list(bottoms)), _flagged(found_pairs),
-        ])  # fmt: skip
+        body.append(
+            [
+                f"{shape['device']} {describe(shape)}",
+                f"{backend} ÷ FLASH",
+                spread(ratios),
+                _of_peak(found, list(tops)),
+                _of_peak(found, list(bottoms)),
+                _flagged(found_pairs),
+            ]
+        )
     lines += ["### Each backend's time over FLASH's (longest length of each series)", ""]
     if body:
         header = ["Shape", "Ratio", "Median (min–max, rounds)", "% of peak", "FLASH % of peak"]
@@ -173,10 +179,14 @@ def _dtypes(found: Collected) -> list[str]:
     for shape, dtype, found_pairs in longest(pairs(found, "dtype", "float32"), "dtype"):
         ratios = [top["seconds_median"] / bottom["seconds_median"] for top, bottom in found_pairs]
         shown = describe({**shape, "dtype": dtype}).replace(f" {dtype}", "")
-        body.append([
-            f"{shape['device']} {shape['backend']} {shown}", f"{dtype} ÷ float32", spread(ratios),
-            _flagged(found_pairs),
-        ])  # fmt: skip
+        body.append(
+            [
+                f"{shape['device']} {shape['backend']} {shown}",
+                f"{dtype} ÷ float32",
+                spread(ratios),
+                _flagged(found_pairs),
+            ]
+        )
     header = ["Backend and shape", "Ratio", "Median (min–max, rounds)", "Rounds on a busy machine"]
     return _titled("Lower precision against float32, within a round (longest length)", header, body)
 

@@ -46,10 +46,17 @@ def section(found: Collected) -> list[str]:
         reason = max(entry["why"], key=entry["why"].get)
         chose, _, why = reason.partition(": ")
         met = "yes" if statistics.median(ratios) <= TARGET else "no"
-        body.append([
-            _case(shape), f"{shape['device']} {describe(shape)}", chose, why,
-            f"{'FLASH' if faster == 'flash' else faster} ({wins} rounds)", spread(ratios), met,
-        ])  # fmt: skip
+        body.append(
+            [
+                _case(shape),
+                f"{shape['device']} {describe(shape)}",
+                chose,
+                why,
+                f"{'FLASH' if faster == 'flash' else faster} ({wins} rounds)",
+                spread(ratios),
+                met,
+            ]
+        )
     header = ["Case", "Shape", "auto ran", "Why", "Faster of FLASH and tiled"]
     return [
         "`auto` ÷ the faster of SDPA FLASH and tiled, within each round (FLASH given the dense "

@@ -64,9 +64,14 @@ def block_invariance(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> 
                 verdict = judge(outputs[block], base, reference)
                 diff = max_abs_diff(outputs[block], outputs[first])
                 yield record(
-                    "tiled output across block sizes", "tiled", f"tiled block {first}", case,
-                    dtype, verdict, diff,
-                )  # fmt: skip
+                    "tiled output across block sizes",
+                    "tiled",
+                    f"tiled block {first}",
+                    case,
+                    dtype,
+                    verdict,
+                    diff,
+                )
 
 
 def partial_outputs(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
@@ -128,11 +133,19 @@ def _partial_case(case: Case, query: Tensor, key: Tensor, value: Tensor) -> Iter
             yield record(
                 f"partial output and lse vs naive over keys read so far ({_PARTIAL[method]}); "
                 "lse never falls; max <= lse <= max + log(keys); fp64 running max never falls",
-                f"tiled {method}", "naive over keys read so far", case, dtype,
-                replace(verdict, passed=passed), max_abs_diff(out.to(dtype), base_out),
-                keys_read=stop, lse_error=lse_verdict.error, lse_tolerance=slack,
-                lse_bounded=bounded, lse_never_falls=lse_rises, running_max_never_falls=max_rises,
-            )  # fmt: skip
+                f"tiled {method}",
+                "naive over keys read so far",
+                case,
+                dtype,
+                replace(verdict, passed=passed),
+                max_abs_diff(out.to(dtype), base_out),
+                keys_read=stop,
+                lse_error=lse_verdict.error,
+                lse_tolerance=slack,
+                lse_bounded=bounded,
+                lse_never_falls=lse_rises,
+                running_max_never_falls=max_rises,
+            )
 
 
 def _scores(query: Tensor, key: Tensor, visible: Tensor) -> Tensor:
@@ -187,9 +200,15 @@ def gradients(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterato
                     verdict = judge(*grads, factor=GRADIENT_FACTOR)
                     diff = max_abs_diff(*grads[:2])
                     yield record(
-                        f"gradient of {which}", "tiled", "naive", case, dtype, verdict, diff,
+                        f"gradient of {which}",
+                        "tiled",
+                        "naive",
+                        case,
+                        dtype,
+                        verdict,
+                        diff,
                         strided=case.strided,
-                    )  # fmt: skip
+                    )
 
 
 def _input_grads(name: str, tensors: list[Tensor], grad_out: Tensor, case: Case) -> list[Tensor]:

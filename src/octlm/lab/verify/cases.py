@@ -74,9 +74,18 @@ def record(
     """The record of a check judged by the equality rule (docs/design.md §4): its errors,
     tolerance and the pairwise difference ``diff``."""
     return outcome(
-        check, left, right, case, dtype, verdict.passed, error=verdict.error,
-        base_error=verdict.base_error, tolerance=verdict.tolerance, max_abs_diff=diff, **extra,
-    )  # fmt: skip
+        check,
+        left,
+        right,
+        case,
+        dtype,
+        verdict.passed,
+        error=verdict.error,
+        base_error=verdict.base_error,
+        tolerance=verdict.tolerance,
+        max_abs_diff=diff,
+        **extra,
+    )
 
 
 def inputs(case: Case, dtype: torch.dtype, device: str, seed: int = 0) -> list[Tensor]:

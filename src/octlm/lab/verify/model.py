@@ -42,9 +42,14 @@ def _model(config: ModelConfig, attention: str, state: dict, device: str, dtype:
 
 def _model_case(plan: Plan, config: ModelConfig, length: int) -> Case:
     return Case(
-        length, kv_heads=config.n_kv_heads, heads=config.n_heads, head_size=config.head_size,
-        batch=plan.model_batch, window=config.window, block=config.block,
-    )  # fmt: skip
+        length,
+        kv_heads=config.n_kv_heads,
+        heads=config.n_heads,
+        head_size=config.head_size,
+        batch=plan.model_batch,
+        window=config.window,
+        block=config.block,
+    )
 
 
 def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
@@ -82,10 +87,16 @@ def model_equivalence(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) ->
                 passed = all(v.passed for v in verdicts.values())
                 diff = max(max_abs_diff(grad, base[1][p]) for p, grad in grads.items())
                 yield record(
-                    "model parameter gradients (worst parameter)", name, "naive", case, dtype,
-                    replace(verdicts[worst], passed=passed), diff, parameter=worst,
+                    "model parameter gradients (worst parameter)",
+                    name,
+                    "naive",
+                    case,
+                    dtype,
+                    replace(verdicts[worst], passed=passed),
+                    diff,
+                    parameter=worst,
                     parameters=len(verdicts),
-                )  # fmt: skip
+                )
 
 
 def _logits_and_grads(model: OctLM, inputs: Tensor, targets: Tensor):
@@ -116,10 +127,15 @@ def decoding(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator
                     cached = _cached_logits(model, tokens, plan.prompt_length)
                     verdict = judge(cached, base, reference)
                     yield record(
-                        "cached decoding logits vs one full forward", f"{name} cached",
-                        f"{name} full forward", case, dtype, verdict, max_abs_diff(cached, full),
+                        "cached decoding logits vs one full forward",
+                        f"{name} cached",
+                        f"{name} full forward",
+                        case,
+                        dtype,
+                        verdict,
+                        max_abs_diff(cached, full),
                         prompt_length=plan.prompt_length,
-                    )  # fmt: skip
+                    )
             yield from _greedy(plan, config, state, prompt, device, case)
 
 
@@ -146,10 +162,15 @@ def _greedy(
         differing = int((sequence != generated["naive"][0]).sum())
         yield outcome(
             "greedy tokens: generate == full-forward argmax, and == naive's generate",
-            f"{name} generate", "naive generate", case, torch.float32,
-            mismatched == 0 and differing == 0, mismatched_tokens=mismatched,
-            tokens_differing_from_naive=differing, new_tokens=plan.new_tokens,
-        )  # fmt: skip
+            f"{name} generate",
+            "naive generate",
+            case,
+            torch.float32,
+            mismatched == 0 and differing == 0,
+            mismatched_tokens=mismatched,
+            tokens_differing_from_naive=differing,
+            new_tokens=plan.new_tokens,
+        )
 
 
 def training(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
@@ -168,11 +189,19 @@ def training(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator
         yield outcome(
             f"loss curve, {plan.train_steps} steps: max relative difference from naive float32 "
             f"<= {TRAINING_TOLERANCE:g} (what float32 rounding explains)",
-            name, "naive", case, torch.float32, relative <= TRAINING_TOLERANCE,
-            loss_relative_difference=relative, loss_tolerance=TRAINING_TOLERANCE,
-            naive_float32_vs_float64=naive_rounding, device="cpu", steps=plan.train_steps,
-            losses=curve, reference_losses=reference,
-        )  # fmt: skip
+            name,
+            "naive",
+            case,
+            torch.float32,
+            relative <= TRAINING_TOLERANCE,
+            loss_relative_difference=relative,
+            loss_tolerance=TRAINING_TOLERANCE,
+            naive_float32_vs_float64=naive_rounding,
+            device="cpu",
+            steps=plan.train_steps,
+            losses=curve,
+            reference_losses=reference,
+        )
 
 
 def _relative(curve: list[float], reference: list[float]) -> float:

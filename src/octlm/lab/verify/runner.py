@@ -98,9 +98,19 @@ def summary(found: Sequence[dict]) -> str:
         key = (record["experiment"], record["check"], record["left"], record["dtype"])
         groups.setdefault(key, []).append(record)
     rows = [
-        ("experiment", "check", "left", "dtype", "n", "worst error", "naive's error", "tolerance",
-         "max diff", "result"),
-    ]  # fmt: skip
+        (
+            "experiment",
+            "check",
+            "left",
+            "dtype",
+            "n",
+            "worst error",
+            "naive's error",
+            "tolerance",
+            "max diff",
+            "result",
+        ),
+    ]
     for (experiment, check, left, dtype), group in groups.items():
         judged = [r for r in group if r["tolerance"] is not None]
         figures = ["-"] * 4
@@ -112,15 +122,17 @@ def summary(found: Sequence[dict]) -> str:
             figures = [f"{worst[name]:.3g}" for name in ("error", "base_error", "tolerance")]
             figures.append(f"{diff:.3g}")
         failed = sum(not r["passed"] for r in group)
-        rows.append((
-            experiment,
-            check if len(check) <= 40 else check[:39] + "…",
-            left,
-            dtype,
-            str(len(group)),
-            *figures,
-            f"FAIL ({failed})" if failed else "pass",
-        ))  # fmt: skip
+        rows.append(
+            (
+                experiment,
+                check if len(check) <= 40 else check[:39] + "…",
+                left,
+                dtype,
+                str(len(group)),
+                *figures,
+                f"FAIL ({failed})" if failed else "pass",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()

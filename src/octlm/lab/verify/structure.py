@@ -36,9 +36,14 @@ def _prefix_lm(case: Case, device: str) -> dict:
     """A prefix-LM block mask on the case's own tiles: a quarter, then half, of each row."""
     prefix = torch.tensor([case.length // 4, case.length // 2], device=device)  # (B,)
     mask = block_mask(
-        prefix_lm_mod(prefix), case.batch, case.heads, case.queries, case.length,
-        block=case.block, device=device,
-    )  # fmt: skip
+        prefix_lm_mod(prefix),
+        case.batch,
+        case.heads,
+        case.queries,
+        case.length,
+        block=case.block,
+        device=device,
+    )
     return {"block_mask": mask}
 
 
@@ -89,15 +94,23 @@ def structure(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterato
                     continue
                 tuned = case if "block" in impl.tuning else plain
                 tested = _results(impl.function, tuned, tensors, features, grad_out, dtype)
-                for which, *results in zip(tested, tested.values(), base.values(),
-                                           reference.values(), strict=True):  # fmt: skip
+                for which, *results in zip(
+                    tested, tested.values(), base.values(), reference.values(), strict=True
+                ):
                     factor = OUTPUT_FACTOR if which == "output" else GRADIENT_FACTOR
                     verdict = judge(*results, factor=factor)
                     diff = max_abs_diff(*results[:2])
                     yield record(
-                        f"{name}: {which}", impl.name, "naive", tuned, dtype, verdict, diff,
-                        structure=name, keywords=sorted(features),
-                    )  # fmt: skip
+                        f"{name}: {which}",
+                        impl.name,
+                        "naive",
+                        tuned,
+                        dtype,
+                        verdict,
+                        diff,
+                        structure=name,
+                        keywords=sorted(features),
+                    )
 
 
 def _results(function, case: Case, tensors, features: dict, grad_out, dtype) -> dict:
