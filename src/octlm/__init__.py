@@ -1,4 +1,5 @@
-"""octlm: exact attention three ways, checked against each other in a small language model."""
+"""octlm: exact attention behind one signature (reference, SDPA, tiled, Triton, ring), checked
+against each other inside a small language model that trains, resumes and exports."""
 
 from octlm.attention import (
     attention_mask,

@@ -419,7 +419,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from octlm import __version__
 
-    parser = _Parser(prog="octlm", description="Exact attention three ways, checked and measured.")
+    parser = _Parser(
+        prog="octlm",
+        description="Exact attention behind one signature, checked, measured, trained in an LM.",
+    )
     parser.add_argument("--version", action="version", version=f"octlm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     _verify_parser(commands.add_parser("verify", help="equivalence experiments -> runs/*.jsonl"))
