@@ -19,7 +19,6 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import statistics
 import uuid
 import warnings
@@ -28,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from octlm.machine import cpu_flags, cpu_model, memory_bytes
 
 KINDS = ("bench", "ring", "peak", "verify", "train_step", "eval", "check")
 MACHINE = ("torch", "device", "threads", "host_cpu", "cpus", "cpu_flags", "memory_bytes")
@@ -87,43 +88,11 @@ class RecordsWarning(UserWarning):
     """Lines of a records file were skipped."""
 
 
-def host_cpu() -> str:
-    """The CPU model name, from /proc/cpuinfo where there is one."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> str | None:
-    """The :data:`SIMD` features this CPU has, space-separated; ``None`` where the system does
-    not say (no /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                name, _, value = line.partition(":")
-                if name.strip() in ("flags", "Features"):
-                    have = set(value.split())
-                    return " ".join(flag for flag in SIMD if flag in have)
-    except OSError:
-        pass
-    return None
-
-
-def memory_bytes() -> int | None:
-    """The machine's memory (MemTotal), or ``None`` where the system does not say."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024  # the file says kB and means KiB
-    except (OSError, ValueError):
-        pass
-    return None
+def simd_flags() -> str | None:
+    """The :data:`SIMD` features this CPU has, space-separated; None where the system does not
+    say."""
+    have = cpu_flags()
+    return None if have is None else " ".join(flag for flag in SIMD if flag in have)
 
 
 def identity(record: dict) -> tuple:
@@ -158,9 +127,9 @@ def machine(device: str | torch.device = "cpu") -> dict:
         "torch": torch.__version__,
         "device": device_name(device),
         "threads": torch.get_num_threads(),
-        "host_cpu": host_cpu(),
+        "host_cpu": cpu_model(),
         "cpus": os.cpu_count(),
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": simd_flags(),
         "memory_bytes": memory_bytes(),
     }
 

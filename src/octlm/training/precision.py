@@ -10,26 +10,13 @@ a resumed run keeps it on any machine.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+
+from octlm.machine import cpu_flags
 
 AUTO = "auto"
 # /proc/cpuinfo flags of bfloat16 matrix units: x86 (flags) and Arm (Features).
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where there is no /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def has_bfloat16_units(device: torch.device) -> bool:
@@ -37,7 +24,7 @@ def has_bfloat16_units(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)[0] >= 8
     if device.type == "cpu":
-        return bool(cpu_flags() & CPU_BF16_FLAGS)
+        return bool((cpu_flags() or frozenset()) & CPU_BF16_FLAGS)
     return False
 
 
