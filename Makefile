@@ -18,10 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,triton,transformers,export]"
 	touch $@
 
+# pytest-xdist runs the suite on every core; each test is independent of order and process.
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # Each verify run tags its records with a run id; the report counts only the latest run.
 verify: $(VENV)/.installed
