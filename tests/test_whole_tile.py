@@ -11,7 +11,7 @@ import torch
 
 from octlm.attention import naive_attention, tiled_attention
 from octlm.attention.block_masks import block_mask
-from octlm.attention.tiled import backward, forward
+from octlm.attention.tiled import backward, forward, whole
 from tests.helpers import assert_judged, make_qkv, reference
 
 FINFO_MIN = torch.finfo(torch.float32).min
@@ -190,3 +190,23 @@ def test_calls_beyond_one_tile_and_block_masks_take_the_block_walk(whole_calls):
     blocks = block_mask(lambda b, h, q, k: k <= q, 1, 2, 70, 70, block=(32, 32))
     tiled_attention(query, key, value, block_mask=blocks)
     assert whole_calls["forward"] == 0
+
+
+@pytest.mark.parametrize(
+    "options, extra",
+    [
+        ({"document_ids": documents(3, 70), "mask": torch.rand(3, 6, 70, 70) > 0.2}, ()),
+        ({"alibi_slopes": torch.rand(3, 6) / 4, "window": 20}, ("alibi_slopes",)),
+        ({"sinks": torch.randn(6), "mask": torch.randn(3, 6, 70, 70)}, ("sinks", "mask")),
+    ],
+    ids=["documents-and-mask-per-head", "alibi-per-batch", "sinks-and-float-mask-per-head"],
+)
+def test_heads_cut_into_pieces_take_their_own_part_of_every_rule(
+    options, extra, monkeypatch, whole_calls
+):
+    """One key/value head per piece (three heads a group): each piece's mask, slopes and
+    sinks are its own heads'."""
+    monkeypatch.setattr(whole, "PIECE_SCORES", 1)
+    query, key, value = make_qkv(batch=3, heads=6, kv_heads=2, q_len=70)
+    check(query, key, value, options=options, extra=extra)
+    assert whole_calls == {"forward": 1, "backward": 1}
