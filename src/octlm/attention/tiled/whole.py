@@ -39,24 +39,23 @@ from octlm.attention.tiled.threads import parallel_map
 
 # Scores per head, in tiles of the call's block, up to which a call is computed whole.
 WHOLE_TILES = 1
-# The most scores (over batch and heads) a call computed whole may hold; above, the block
-# walk's O(T) memory wins.
-WHOLE_SCORES = 2**24
+# The most entries of the rules' dense bias, (B, Q, K), a call computed whole may build (16 MiB
+# in float32); above, the block walk, which builds none, wins on memory.
+WHOLE_BIAS = 2**22
 # Scores per piece: a piece's tile (1 MiB in float32) stays in a core's cache.
 PIECE_SCORES = 2**18
 
 
 def fits_whole(query: Tensor, key: Tensor, rules: Rules) -> bool:
     """Whether the call is computed whole: rows and keys to see, at most one tile's scores
-    per head, a bounded number over all heads, and no block mask (whose grid is the tiling)."""
-    batch, heads, q_len, _ = query.shape
+    per head, a bounded dense bias, and no block mask (whose grid is the tiling)."""
+    batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
     if rules.block_mask is not None or 0 in query.shape or 0 in key.shape:
         return False
     per_head = q_len * k_len
     return (
-        per_head <= WHOLE_TILES * rules.block[0] * rules.block[1]
-        and batch * heads * per_head <= WHOLE_SCORES
+        per_head <= WHOLE_TILES * rules.block[0] * rules.block[1] and batch * per_head <= WHOLE_BIAS
     )
 
 
@@ -220,14 +219,15 @@ def _forward(
         if sinks is not None:  # one more term that carries no value
             summed += call.units.exp_(sinks - top)
         size = (kv.stop - kv.start, -1, weights.shape[2])
-        part = torch.bmm(weights.view(size), values[b, kv])  # (n, G*Q, D)
+        part = out.view(call.queries.shape)[b, kv]  # (n, G*Q, D), written in place
+        torch.bmm(weights.view(size), values[b, kv], out=part)
         part = part.view(-1, weights.shape[1], part.shape[2])  # (n*G, Q, D)
         # A row that saw a key sums to at least 1 (its maximum's own weight); one that saw
         # none has part = 0, and 0 / tiny = 0.
         part.div_(summed.clamp_min(torch.finfo(part.dtype).tiny))
         if careful:
-            part = _poisoned(part, visible, call.values[b, kv])
-        out[b, heads], shift[b, heads], total[b, heads] = part, top[..., 0], summed[..., 0]
+            _poisoned(part, visible, call.values[b, kv])  # in place
+        shift[b, heads], total[b, heads] = top[..., 0], summed[..., 0]
 
     parallel_map(attend, call.pieces(), query.device)
     return out, RowStats(shift, total, units, careful, whole=True)
@@ -293,7 +293,7 @@ def whole_backward(
         q_len, k_len = scores.shape[1:]
         probs = call.units.exp_(scores.sub_(shift[b, heads, :, None]))  # times total
         flat = probs.view(count, -1, k_len)  # (n, G*Q, K)
-        grad_value[b, kv] = torch.bmm(flat.transpose(1, 2), grad_rows[b, kv])  # (n, K, D)
+        torch.bmm(flat.transpose(1, 2), grad_rows[b, kv], out=grad_value[b, kv])  # (n, K, D)
         grad_scores = torch.bmm(grad_rows[b, kv], values[b, kv].transpose(1, 2))  # (n, G*Q, K)
         grad_scores = grad_scores.view(probs.shape)  # (n*G, Q, K)
         grad_scores.sub_(delta[b, heads, :, None]).mul_(probs)  # d loss / d scores
@@ -313,9 +313,9 @@ def whole_backward(
         if tanh is not None:  # through the cap: d tanh = 1 - tanh²
             grad_scores.mul_(tanh.square_().neg_().add_(1.0))
         flat = grad_scores.view(count, -1, k_len)  # (n, G*Q, K)
-        grad_query[b, kv] = torch.bmm(flat, keys[b, kv]).mul_(rules.scale)  # (n, G*Q, D)
+        torch.bmm(flat, keys[b, kv], out=grad_query[b, kv]).mul_(rules.scale)  # (n, G*Q, D)
         # Taken against scale * unit * q; dividing by the unit brings it to scale * q.
-        grad_key[b, kv] = torch.bmm(flat.transpose(1, 2), call.queries[b, kv])  # (n, K, D)
+        torch.bmm(flat.transpose(1, 2), call.queries[b, kv], out=grad_key[b, kv])  # (n, K, D)
 
     parallel_map(attend, call.pieces(), query.device)
     return grad_query.view(query.shape), grad_key.div_(call.units.unit), grad_value
