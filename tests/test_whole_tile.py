@@ -95,6 +95,12 @@ def test_each_structure_takes_the_whole_path_and_is_exact(structure, kv_heads, w
     assert whole_calls == {"forward": 1, "backward": 1}
 
 
+def test_bfloat16_inputs_are_exact(whole_calls):
+    query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=70, dtype=torch.bfloat16)
+    check(query, key, value, options={"document_ids": documents(2, 70)})
+    assert whole_calls == {"forward": 1, "backward": 1}
+
+
 def test_queries_after_cached_keys_are_exact(whole_calls):
     """Fewer queries than keys: row ``i`` sits at key ``k_len - q_len + i``."""
     query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=20, k_len=70)
@@ -111,8 +117,17 @@ def test_queries_after_cached_keys_are_exact(whole_calls):
         ({"sinks": torch.tensor([0.5, -2.0, 3.0, 0.0])}, ("sinks",)),
         ({"sinks": torch.tensor([100.0, -100.0, 0.0, 1.0])}, ("sinks",)),
         ({"mask": torch.randn(2, 1, 70, 70)}, ("mask",)),
+        ({"mask": torch.randn(2, 1, 1, 70)}, ("mask",)),
     ],
-    ids=["softcap", "alibi", "alibi-per-batch", "sinks", "large-sinks", "float-mask"],
+    ids=[
+        "softcap",
+        "alibi",
+        "alibi-per-batch",
+        "sinks",
+        "large-sinks",
+        "float-mask",
+        "float-mask-per-key",
+    ],
 )
 def test_score_modifiers_and_their_gradients_are_exact(options, extra, whole_calls):
     query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=70)
