@@ -225,3 +225,14 @@ def test_heads_cut_into_pieces_take_their_own_part_of_every_rule(
     query, key, value = make_qkv(batch=3, heads=6, kv_heads=2, q_len=70)
     check(query, key, value, options=options, extra=extra)
     assert whole_calls == {"forward": 1, "backward": 1}
+
+
+def test_strided_inputs_are_read_in_place_and_exact(whole_calls):
+    """Heads split out of ``(B, T, H, D)`` projections, and keys and values that are the first
+    70 positions of a longer cache buffer: any strides give the reference's answer."""
+    query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=20, k_len=90)
+    query = query.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, Q, D) of (B, Q, H, D)
+    key, value = key[:, :, :70], value[:, :, :70]
+    assert not (query.is_contiguous() or key.is_contiguous() or value.is_contiguous())
+    check(query, key, value, options={"window": 30, "document_ids": documents(2, 70)})
+    assert whole_calls == {"forward": 1, "backward": 1}

@@ -102,8 +102,11 @@ def _call(query, key, value, rules: Rules, units: Units, careful: bool) -> _Call
     kv_heads, k_len = key.shape[1], key.shape[2]
     dtype = accumulation_dtype(query.dtype)
     scale = rules.scale * units.unit
-    queries = query.to(dtype)
-    queries = (queries if scale == 1.0 else queries * scale).contiguous()  # (B, H, Q, D)
+    queries = query.new_empty(query.shape, dtype=dtype)  # (B, H, Q, D), a group is a view
+    if scale == 1.0:
+        queries.copy_(query)
+    else:
+        torch.mul(query.to(dtype), scale, out=queries)
     hidden = _hidden(rules, q_len, k_len, query.device)  # (B|1, H|1, Q, K)
     mask = rules.mask if rules.mask is not None and rules.mask.is_floating_point() else None
     bias = None
@@ -122,8 +125,8 @@ def _call(query, key, value, rules: Rules, units: Units, careful: bool) -> _Call
     sinks = None if rules.sinks is None else rules.sinks.to(dtype) * units.unit  # (H,)
     return _Call(
         queries.view(batch, kv_heads, -1, head_size),
-        key.to(dtype).contiguous(),
-        value.to(dtype).contiguous(),
+        key.to(dtype),  # any strides: a KV cache's view of its buffer is not copied
+        value.to(dtype),
         hidden, bias, mask, slopes, sinks, far, heads // kv_heads, units, careful,
     )  # fmt: skip
 
@@ -273,7 +276,8 @@ def whole_backward(
     dtype = call.queries.dtype
     group = call.group
     inverse = torch.where(rows.total > 0, 1.0 / rows.total, 0.0).to(dtype)  # (B, H, Q)
-    grad_rows = (grad_out.to(dtype) * inverse[..., None]).contiguous()  # (B, H, Q, D)
+    grad_rows = grad_out.new_empty(grad_out.shape, dtype=dtype)  # (B, H, Q, D)
+    torch.mul(grad_out.to(dtype), inverse[..., None], out=grad_rows)
     grad_rows = grad_rows.view(call.queries.shape)  # (B, Hkv, G*Q, D)
     delta = delta.to(dtype) * inverse  # (B, H, Q)
     shift = rows.shift.to(dtype)  # (B, H, Q)
@@ -284,7 +288,7 @@ def whole_backward(
         keys = keys.masked_fill(~keys.isfinite(), 0.0)
         values = values.masked_fill(~values.isfinite(), 0.0)
     grad_query = torch.empty_like(call.queries)  # (B, Hkv, G*Q, D)
-    grad_key, grad_value = torch.empty_like(call.keys), torch.empty_like(call.values)
+    grad_key, grad_value = (call.keys.new_empty(call.keys.shape) for _ in range(2))
 
     def attend(piece: tuple[int, slice]) -> None:
         b, kv = piece
