@@ -55,7 +55,7 @@ class _TiledAttention(torch.autograd.Function):
         out, rows = _forward(query, key, value, tensors, rules)
         ctx.save_for_backward(query, key, value, out, rows.shift, rows.total, *tensors)
         ctx.rules, ctx.units, ctx.careful = rules, rows.units, rows.careful
-        ctx.tiles = rows.rebased, rows.shift_column  # the tiles the backward forms as it did
+        ctx.tiles = rows.rebased, rows.shift_column, rows.whole  # the tiles formed as before
         lse = rows.lse()
         ctx.mark_non_differentiable(lse)
         return out, lse

@@ -23,6 +23,7 @@ from octlm.attention.tiled.core import (
 )
 from octlm.attention.tiled.threads import parallel_map
 from octlm.attention.tiled.walk import BlockWalk, rows_of
+from octlm.attention.tiled.whole import whole_backward
 
 # The largest shift (in score units) the backward lets ride in the matmul: inside it, the
 # shift's rounding joins the sum of products; past it, scores are formed first, as naive does.
@@ -73,6 +74,11 @@ def attend_backward(
         seen = lse > NEG_INF
         shift = (lse.to(dtype) * units.unit).masked_fill(~seen, 0.0)
         lse = RowStats(shift, seen.to(dtype), units, careful=not all_finite(query, key, value))
+    if lse.whole:
+        return whole_backward(
+            query, key, value, grad_out, lse, delta, rules,
+            grad_mask=grad_mask, grad_alibi=grad_alibi, residue=residue, spread=spread,
+        )  # fmt: skip
     units = lse.units
     float_mask = mask is not None and mask.is_floating_point()
     modified = softcap is not None or alibi_slopes is not None

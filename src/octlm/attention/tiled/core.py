@@ -89,6 +89,7 @@ class RowStats:
     # the forward's bit for bit (a row whose only score is its shift gets exactly 1).
     rebased: frozenset[tuple[int, int]] = frozenset()
     shift_column: bool = False
+    whole: bool = False  # the call was one tile (tiled/whole.py): so is its backward
 
     def lse(self) -> Tensor:
         """Natural log-sum-exp; ``-inf`` for rows that see no key."""
@@ -225,8 +226,18 @@ def as_3d(x: Tensor) -> Tensor:
 
 
 def all_finite(*tensors: Tensor | None) -> bool:
-    """Whether the NaN-safe masking can be skipped, for a caller with no forward to ask."""
-    return all(t is None or not t.is_floating_point() or bool(t.isfinite().all()) for t in tensors)
+    """Whether the NaN-safe masking can be skipped, for a caller with no forward to ask.
+
+    A finite sum says every element is finite in one pass (a NaN or infinity makes the sum
+    NaN or infinite); only a sum that is not finite, or that overflowed, is looked at whole.
+    """
+    return all(
+        t is None
+        or not t.is_floating_point()
+        or bool(t.sum().isfinite())
+        or bool(t.isfinite().all())
+        for t in tensors
+    )
 
 
 def fold_slopes(slopes: Tensor | None, kv_heads: int) -> Tensor | None:

@@ -27,6 +27,7 @@ from octlm.attention.tiled.core import (
 )
 from octlm.attention.tiled.threads import parallel_map
 from octlm.attention.tiled.walk import BlockWalk
+from octlm.attention.tiled.whole import fits_whole, whole_forward
 
 # The most one block's weights may sum to (relative to the row's shift) before the shift
 # moves up to that block's maximum and the block is recomputed.
@@ -138,6 +139,8 @@ def forward_rows(
     which is the whole cost of decoding one token). Only then is the call run again with the
     masked fills that keep a hidden NaN out of the rows that cannot see it.
     """
+    if fits_whole(query, key, rules) and not _sees_every_key(query, key, rules):
+        return whole_forward(query, key, value, rules)
     out, rows = _forward_pass(query, key, value, rules, careful=False)
     if bool(out.isnan().any()):
         out, rows = _forward_pass(query, key, value, rules, careful=True)
