@@ -25,7 +25,7 @@ from octlm.lab.bench import driver, ring, worker
 from octlm.lab.bench.suites import FEATURES, Grid, Measurement, suite
 from octlm.lab.bench.worker import FAULT_ENV, FAULT_READY_ENV
 
-# docs/design.md §5: the common fields, the benchmark record, and the fields added since.
+# docs/design.md, 'Records': the common fields, the benchmark record, and the fields added since.
 COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu", "cpus"]
 COMMON += ["cpu_flags", "memory_bytes"]  # the machine, so that reports keep machines apart
 BENCHMARK = [

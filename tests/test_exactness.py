@@ -1,7 +1,7 @@
 """Exact on the inputs real models produce: huge additive masks, masks that fill whole blocks,
-``finfo.min`` masks, ALiBi-like biases, low-precision queries, and NaN where a row can and
-cannot see it. Each case is judged against the independent float64 reference of
-tests/helpers.py by the rule of docs/design.md §4 (outputs factor 2, gradients factor 3).
+``finfo.min`` masks, ALiBi-like biases, low-precision queries, and NaN where a row can and cannot
+see it. Each case is judged against the independent float64 reference of tests/helpers.py by the
+rule of docs/design.md, 'When are two results equal' (outputs factor 2, gradients factor 3).
 """
 
 from __future__ import annotations
@@ -382,7 +382,8 @@ def test_property_large_scores_and_alibi_biases(length, block, magnitude, slope)
 
     Gradients are judged for scores up to a few tens. Beyond, every recomputing backward
     (FlashAttention's, SDPA's, this one) recomputes probabilities whose rounding grows with
-    the score, while the plain method reuses its own: see docs/design.md §7.
+    the score, while the plain method reuses its own: see docs/design.md, 'The numerics of the tiled
+    core'.
     """
     query, key, value = make_qkv(batch=1, heads=2, kv_heads=2, q_len=length, head_size=16)
     position = torch.arange(length)

@@ -1,5 +1,6 @@
 """The model: every attention implementation gives the same logits, gradients, cached decoding,
-generations and training curve as the naive reference (docs/design.md §3-4)."""
+generations and training curve as the naive reference (docs/design.md, 'When are two results
+equal')."""
 
 from __future__ import annotations
 
