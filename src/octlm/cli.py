@@ -348,7 +348,7 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
             else (
                 ", no end-of-text token (a byte run)"
                 if tokenizer.name == "bytes"
-                else ", no end-of-text token (a BPE run trained before it existed)"
+                else ", no end-of-text token (a BPE run whose tokenizer has none)"
             )
         )
         print(f"# {args.run_dir}, checkpoint of step {step}{ending}", file=sys.stderr)
