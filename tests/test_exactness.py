@@ -263,7 +263,7 @@ def test_nan_reaches_exactly_the_rows_that_see_it(name, case, block):
 def test_infinite_values_reach_the_rows_that_see_them_as_the_definition_says(block):
     """A row that sees +inf in one dimension of a value gets +inf there, one that sees -inf
     gets -inf, one that sees both gets NaN; the other dimensions and rows keep their numbers.
-    Whatever the tiles (a tile that met an infinity only with zero weight used to make NaN)."""
+    Whatever the tiles (a tile that meets an infinity only with zero weight must not make NaN)."""
     query, key, value = make_qkv(batch=1, heads=1, kv_heads=1, q_len=40)
     value[:, :, 20, 3] = float("inf")
     value[:, :, 30, 3] = float("-inf")

@@ -496,7 +496,7 @@ for attention in ("naive", "sdpa", "tiled"):
 
 def test_a_compiled_model_gives_the_eager_logits_and_gradients():
     """torch.compile traces the model; tiled's block loop (Python over tile bounds) is a graph
-    break, run eagerly. On one thread it used to be traced and crash dynamo. The "eager"
+    break, run eagerly, also on one thread, where tracing it would crash dynamo. The "eager"
     backend keeps the test fast: the tracing is what is checked. In a process of its own:
     dynamo imports Triton, which tests/test_triton.py must import first, for its interpreter."""
     root = Path(__file__).parent.parent
