@@ -5,9 +5,9 @@ attention against transformers' own SDPA attention, at long contexts on this mac
 
 Every measurement runs in a fresh process (``ru_maxrss`` is a lifetime peak, so processes
 must not share one), and the implementations are interleaved: each round measures every
-(length, implementation) pair, in reversed order on odd rounds, so that load from other work
-on a shared machine falls on both alike. One JSON record per measurement is appended to
-``--output`` (docs/design.md §5 fields, plus the ones below); ``--summary`` prints medians.
+(length, implementation) pair, in reversed order on odd rounds, so that load from other work on a
+shared machine falls on both alike. One JSON record per measurement is appended to ``--output`` (the
+fields of docs/design.md, 'Records', plus the ones below); ``--summary`` prints medians.
 
 A measurement: build the model (float32, batch 1, random weights and tokens), warm up on a
 short prompt, take the memory baseline, prefill ``length`` tokens into a dynamic cache (only

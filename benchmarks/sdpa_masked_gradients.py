@@ -1,6 +1,6 @@
-"""How often ``sdpa_attention`` with a dense mask meets the equality rule (docs/design.md §4),
-against the plain method and the float64 reference, over random inputs: the probe behind
-``attention="auto"`` keeping structured calls on tiled however small they are.
+"""How often ``sdpa_attention`` with a dense mask meets the equality rule (docs/design.md, 'When are
+two results equal'), against the plain method and the float64 reference, over random inputs: the
+probe behind ``attention="auto"`` keeping structured calls on tiled however small they are.
 
     .venv/bin/python benchmarks/sdpa_masked_gradients.py > runs/checks/sdpa-masked-gradients.txt
 

@@ -109,14 +109,15 @@ def reference(
 
 
 def assert_judged(tested: Tensor, base: Tensor, golden: Tensor, factor: float = 2.0) -> None:
-    """docs/design.md §4: within factor x the plain method's error (+ atol) of the fp64 golden."""
+    """docs/design.md, 'When are two results equal': within factor x the plain method's error (+
+    atol) of the fp64 golden."""
     verdict = judge(tested, base, golden, factor=factor)
     assert verdict.passed, str(verdict)
 
 
 def assert_like_reference(tested: Tensor, query: Tensor, key: Tensor, value: Tensor, **options):
     """``tested``, one call's output, judged against the float64 reference of the same call
-    relative to naive's error on it (docs/design.md §4)."""
+    relative to naive's error on it (docs/design.md, 'When are two results equal')."""
     golden = reference(query, key, value, **options)
     assert_judged(tested, naive_attention(query, key, value, **options), golden)
 

@@ -1,8 +1,8 @@
 """Forward outputs of all three implementations against an independent float64 reference.
 
-Each case is judged by docs/design.md §4: the tested output's error against the float64
-reference must be within twice the error that plain (naive) attention makes in the same
-dtype, plus atol.
+Each case is judged by docs/design.md, 'When are two results equal': the tested output's error
+against the float64 reference must be within twice the error that plain (naive) attention makes in
+the same dtype, plus atol.
 """
 
 from __future__ import annotations

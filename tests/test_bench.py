@@ -25,7 +25,7 @@ from octlm.lab.bench import driver, ring, worker
 from octlm.lab.bench.suites import FEATURES, Grid, Measurement, suite
 from octlm.lab.bench.worker import FAULT_ENV, FAULT_READY_ENV
 
-# docs/design.md §5: the common fields, the benchmark record, and the fields added since.
+# docs/design.md, 'Records': the common fields, the benchmark record, and the fields added since.
 COMMON = ["kind", "run", "experiment", "time", "torch", "device", "threads", "host_cpu", "cpus"]
 COMMON += ["cpu_flags", "memory_bytes"]  # the machine, so that reports keep machines apart
 BENCHMARK = [
@@ -221,7 +221,7 @@ def test_a_resume_goes_on_with_the_run_it_resumes(tmp_path, fake_probe, fake_spa
 
 def test_resume_after_a_torn_last_line_keeps_the_next_record(tmp_path, fake_probe, fake_spawn):
     """A run killed mid-write leaves half a line; the resumed run's first record must start on
-    a line of its own (it used to be glued to the fragment and lost), and reading says what
+    a line of its own (glued to the fragment, it would be lost), and reading says what
     it skipped."""
     flash, tiled = tiny("flash", "tiled")
     output = tmp_path / "bench.jsonl"
@@ -429,7 +429,8 @@ def test_overrides_replace_the_suite_values_and_bad_ones_name_the_option():
 
 
 def test_options_that_would_make_a_record_lie_are_refused():
-    """--kv-heads 0 used to run as 8 heads, and --q-len above every length ran nothing."""
+    """--kv-heads 0 (which would run as 8 heads) and a --q-len above every length (which would
+    run nothing) are refused."""
     with pytest.raises(ValueError, match=r"--kv-heads \(0\)"):
         suite("baseline", kv_heads=0)
     with pytest.raises(ValueError, match=r"nothing to measure.*--q-len"):

@@ -1,9 +1,10 @@
 """Packed documents and left padding: ``document_ids`` and ``key_starts`` in every
 single-process implementation, against the independent float64 reference.
 
-Forward outputs are judged by docs/design.md §4 with factor 2, gradients with factor 3, and the
-tiled log-sum-exp against the reference's. The last tests count the block pairs tiled visits:
-skipping must really happen, and blocks inside one document need no document mask.
+Forward outputs are judged by docs/design.md, 'When are two results equal' with factor 2, gradients
+with factor 3, and the tiled log-sum-exp against the reference's. The last tests count the block
+pairs tiled visits: skipping must really happen, and blocks inside one document need no document
+mask.
 """
 
 from __future__ import annotations
@@ -210,7 +211,8 @@ def test_unsorted_document_ids_are_exact():
 
 
 def test_the_picture_in_the_design_doc():
-    """docs/design.md §2 draws this packed row; naive must see exactly what it draws."""
+    """docs/design.md, 'Tensor conventions' draws this packed row; naive must see exactly what it
+    draws."""
     picture = """
         . . . . . . . .
         . # . . . . . .
@@ -251,8 +253,8 @@ def test_left_padded_decoding_equals_each_row_alone(name, q_len, window):
 @pytest.mark.parametrize("name", ["naive", "tiled"])
 @pytest.mark.parametrize("block", [(16, 8), (64, 64)], ids=str)
 def test_nan_stays_inside_its_document(name, block):
-    """docs/design.md §2: a NaN in a key or value of one document reaches exactly the rows of
-    that document that see it, never another document's rows."""
+    """docs/design.md, 'Tensor conventions': a NaN in a key or value of one document reaches exactly
+    the rows of that document that see it, never another document's rows."""
     query, key, value, ids = inputs("crossing")
     key[0, 0, 20, 3] = float("nan")  # document 1 of row 0 (keys 13..52)
     value[1, 1, 60, 0] = float("nan")  # document 1 of row 1 (keys 50..99)

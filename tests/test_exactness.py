@@ -1,7 +1,7 @@
 """Exact on the inputs real models produce: huge additive masks, masks that fill whole blocks,
-``finfo.min`` masks, ALiBi-like biases, low-precision queries, and NaN where a row can and
-cannot see it. Each case is judged against the independent float64 reference of
-tests/helpers.py by the rule of docs/design.md §4 (outputs factor 2, gradients factor 3).
+``finfo.min`` masks, ALiBi-like biases, low-precision queries, and NaN where a row can and cannot
+see it. Each case is judged against the independent float64 reference of tests/helpers.py by the
+rule of docs/design.md, 'When are two results equal' (outputs factor 2, gradients factor 3).
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def test_nan_reaches_exactly_the_rows_that_see_it(name, case, block):
 def test_infinite_values_reach_the_rows_that_see_them_as_the_definition_says(block):
     """A row that sees +inf in one dimension of a value gets +inf there, one that sees -inf
     gets -inf, one that sees both gets NaN; the other dimensions and rows keep their numbers.
-    Whatever the tiles (a tile that met an infinity only with zero weight used to make NaN)."""
+    Whatever the tiles (a tile that meets an infinity only with zero weight must not make NaN)."""
     query, key, value = make_qkv(batch=1, heads=1, kv_heads=1, q_len=40)
     value[:, :, 20, 3] = float("inf")
     value[:, :, 30, 3] = float("-inf")
@@ -382,7 +382,8 @@ def test_property_large_scores_and_alibi_biases(length, block, magnitude, slope)
 
     Gradients are judged for scores up to a few tens. Beyond, every recomputing backward
     (FlashAttention's, SDPA's, this one) recomputes probabilities whose rounding grows with
-    the score, while the plain method reuses its own: see docs/design.md §7.
+    the score, while the plain method reuses its own: see docs/design.md, 'The numerics of the tiled
+    core'.
     """
     query, key, value = make_qkv(batch=1, heads=2, kv_heads=2, q_len=length, head_size=16)
     position = torch.arange(length)

@@ -1,5 +1,6 @@
 """The model: every attention implementation gives the same logits, gradients, cached decoding,
-generations and training curve as the naive reference (docs/design.md §3-4)."""
+generations and training curve as the naive reference (docs/design.md, 'When are two results
+equal')."""
 
 from __future__ import annotations
 
@@ -495,7 +496,7 @@ for attention in ("naive", "sdpa", "tiled"):
 
 def test_a_compiled_model_gives_the_eager_logits_and_gradients():
     """torch.compile traces the model; tiled's block loop (Python over tile bounds) is a graph
-    break, run eagerly. On one thread it used to be traced and crash dynamo. The "eager"
+    break, run eagerly, also on one thread, where tracing it would crash dynamo. The "eager"
     backend keeps the test fast: the tracing is what is checked. In a process of its own:
     dynamo imports Triton, which tests/test_triton.py must import first, for its interpreter."""
     root = Path(__file__).parent.parent

@@ -1,8 +1,8 @@
 """Score modifiers (``softcap``, ``alibi_slopes``) and learnable attention ``sinks`` in every
 single-process implementation, forward and backward, against the independent float64 reference.
 
-Outputs are judged by docs/design.md §4 with factor 2, gradients (including those of the ALiBi
-slopes and the sinks) with factor 3.
+Outputs are judged by docs/design.md, 'When are two results equal' with factor 2, gradients
+(including those of the ALiBi slopes and the sinks) with factor 3.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def test_gradients_match_reference(name, function, modifier):
     options = MODIFIERS[modifier]()
     softcap = options.pop("softcap", None)
     # Scores of a few units: for larger ones every recomputing backward's error outgrows the
-    # plain method's (docs/design.md §7); exactness itself is checked in float64 below.
+    # plain method's (docs/design.md, 'The numerics of the tiled core'); exactness itself is checked
+    # in float64 below.
     tensors = dict(q=query * 2, k=key, v=value, **options)
     grad_out = torch.randn(query.shape, dtype=torch.float64)
     tested = gradients(function, tensors, grad_out, softcap=softcap)

@@ -1,9 +1,9 @@
 """``attention="auto"``: the route it takes for every case of its rule, and its exactness.
 
-For each structure and score keyword, :func:`octlm.attention.route` names the implementation
-and a reason that names the case; ``auto_attention`` returns exactly what that implementation
-returns, and its output and gradients meet docs/design.md §4 against the independent float64
-reference. The model with ``attention="auto"`` meets the same rule against the float64 naive
+For each structure and score keyword, :func:`octlm.attention.route` names the implementation and a
+reason that names the case; ``auto_attention`` returns exactly what that implementation returns, and
+its output and gradients meet docs/design.md, 'When are two results equal' against the independent
+float64 reference. The model with ``attention="auto"`` meets the same rule against the float64 naive
 model, with and without a KV cache, with packed documents and with a window.
 """
 

@@ -1,8 +1,8 @@
 """The recomputing backward of tiled attention against float64 autograd through the reference.
 
-Gradients are judged by docs/design.md §4 with factor 3: dq, dk, dv of tiled attention in the tested
-dtype against autograd through the independent float64 reference, relative to the gradients of
-naive attention in the same dtype.
+Gradients are judged by docs/design.md, 'When are two results equal' with factor 3: dq, dk, dv of
+tiled attention in the tested dtype against autograd through the independent float64 reference,
+relative to the gradients of naive attention in the same dtype.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def test_gradients_with_window(window, causal):
 def test_window_of_one_passes_gradient_straight_to_value():
     """Each row sees only itself: out = v, so dv = dout (summed over the group), and dq = dk = 0
     up to the rounding of delta = rowsum(dout * out) against dout @ vᵀ. Naive gets an exact 0
-    here, so the relative rule of docs/design.md §4 has no error to scale by: the bound is
-    absolute."""
+    here, so the relative rule of docs/design.md, 'When are two results equal' has no error to scale
+    by: the bound is absolute."""
     query, key, value = make_qkv(q_len=50, requires_grad=True)
     grad_out = torch.randn(query.shape)
     tiled_attention(query, key, value, block=(16, 8), window=1).backward(grad_out)

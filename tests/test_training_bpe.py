@@ -295,8 +295,8 @@ def test_sampled_text_stops_at_the_end_token_unless_told_to_go_on():
 
 
 def test_a_run_without_an_end_token_says_so(bpe_run, tmp_path, capsys):
-    """A BPE run from before end tokens (its last id a plain token) samples and exports as it
-    did, without an end token, and says so; a byte run too."""
+    """A BPE run whose tokenizer has no end token (its last id a plain token) resumes, samples
+    and exports without one, and says so; a byte run too."""
     folder = tmp_path / "old"
     shutil.copytree(bpe_run, folder)
     spec = json.loads((folder / TOKENIZER_FILE).read_text())
@@ -306,7 +306,7 @@ def test_a_run_without_an_end_token_says_so(bpe_run, tmp_path, capsys):
     model_config, run = resolve(run={"steps": 6}, resume=folder)
     assert train(model_config, run, folder, resume=True, progress=False).step == 6
     assert main(["sample", str(folder), "--prompt", "def", "--max-new-tokens", "5"]) == 0
-    assert "no end-of-text token (a BPE run trained before it existed)" in capsys.readouterr().err
+    assert "no end-of-text token (a BPE run whose tokenizer has none)" in capsys.readouterr().err
     assert main(["export", str(folder), str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     tokenizer_config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())

@@ -1,4 +1,5 @@
-"""The Triton FlashAttention kernels against the float64 reference (docs/design.md §4).
+"""The Triton FlashAttention kernels against the float64 reference (docs/design.md, 'When are two
+results equal').
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter, which has to be on
 when Triton is first imported and again when a kernel first runs, so this module switches it on
@@ -190,7 +191,8 @@ def kv_packed(batch, heads, kv_heads, q_len, k_len, head_size):
 def test_flash_attns_case_causal_window_mqa_kvpacked_meets_the_rule():
     """flash-attn's own test case ``80x40-d96-causal-window-mqa-kvpacked`` (at a smaller batch
     and head count): 80 queries after 40 keys, so the first 40 rows see nothing and row 40 sees
-    key 0 alone; output and every gradient within docs/design.md §4 of float64."""
+    key 0 alone; output and every gradient within docs/design.md, 'When are two results equal' of
+    float64."""
     inputs = kv_packed(2, 4, 1, 80, 40, 96)
     generator = torch.Generator().manual_seed(4)
     grad_out = torch.randn(inputs[0].shape, generator=generator, dtype=torch.float64).to(DEVICE)
@@ -298,8 +300,8 @@ def _on_device(value):
     return value.to(DEVICE) if isinstance(value, torch.Tensor) else value
 
 
-# Packed documents, padding and score modifiers (docs/design.md §2) against the float64
-# reference. Documents: ids per batch row, from run lengths; 16-key blocks see documents of
+# Packed documents, padding and score modifiers (docs/design.md, 'Tensor conventions') against the
+# float64 reference. Documents: ids per batch row, from run lengths; 16-key blocks see documents of
 # length 1, documents crossing block edges and, in "unsorted", ids that come back later.
 def documents(*rows):
     """``(batch, k_len)`` ids from each row's document lengths (or its ids, if a tensor)."""
@@ -395,8 +397,9 @@ def check_structure(shape, options, dtype):
         assert torch.isfinite(tested).all(), name
         if name == "alibi_slopes" and dtype == torch.float32:
             # A sum of dS * distance over every visible pair: the recomputed probabilities'
-            # rounding (docs/design.md §7), times distances of tens, can outgrow 3x naive's
-            # (tiled's does too); held to fp32 rounding of the sum's size instead.
+            # rounding (docs/design.md, 'The numerics of the tiled core'), times distances of tens,
+            # can outgrow 3x naive's (tiled's does too); held to fp32 rounding of the sum's size
+            # instead.
             torch.testing.assert_close(tested.double(), exact, rtol=1e-5, atol=5e-5)
         else:
             assert_judged(tested, plain, exact, factor=3.0)

@@ -1,6 +1,6 @@
-"""``octlm verify``: the quick run passes and writes docs/design.md §5 records, a broken
-implementation fails it with a record that says which check and by how much, and an interrupted
-run keeps every record it finished."""
+"""``octlm verify``: the quick run passes and writes the records of docs/design.md, 'Records', a
+broken implementation fails it with a record that says which check and by how much, and an
+interrupted run keeps every record it finished."""
 
 from __future__ import annotations
 

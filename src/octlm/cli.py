@@ -16,10 +16,11 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     from octlm.lab import verify
 
     parser.description = (
-        "Check every attention implementation against float64 naive attention (docs/design.md "
-        "§4) and against each other, from single calls to the whole model, its decoding and "
-        "training. One records file per experiment, OUT/<date>-<experiment>.jsonl, every record "
-        "tagged with this run's id; exit status 1 when any check fails."
+        "Check every attention implementation against float64 naive attention (docs/design.md, "
+        "'When are two results equal') and against each other, from single calls to the whole "
+        "model, its decoding and training. One records file per experiment, "
+        "OUT/<date>-<experiment>.jsonl, every record tagged with this run's id; exit status 1 "
+        "when any check fails."
     )
     parser.add_argument("--out", default="runs", help="folder for the records (default runs)")
     parser.add_argument(
@@ -347,7 +348,7 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
             else (
                 ", no end-of-text token (a byte run)"
                 if tokenizer.name == "bytes"
-                else ", no end-of-text token (a BPE run trained before it existed)"
+                else ", no end-of-text token (a BPE run whose tokenizer has none)"
             )
         )
         print(f"# {args.run_dir}, checkpoint of step {step}{ending}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""When two attention results count as equal (docs/design.md §4).
+"""When two attention results count as equal (docs/design.md, 'When are two results equal').
 
 A result in some dtype is judged against a float64 "golden" reference, relative to the error
 that the plain method (naive attention) makes in that same dtype, as PyTorch's and
@@ -62,8 +62,8 @@ def max_abs_diff(left: Tensor, right: Tensor) -> float:
 def judge(
     tested: Tensor, base: Tensor, reference: Tensor, *, factor: float = OUTPUT_FACTOR
 ) -> Verdict:
-    """Apply the docs/design.md §4 rule; ``tested`` and ``base`` share a dtype, ``reference``
-    is fp64.
+    """Apply the rule of docs/design.md, 'When are two results equal'; ``tested`` and ``base`` share
+    a dtype, ``reference`` is fp64.
 
     A plain method that is itself off by an infinite error (NaN where the reference has none)
     sets no tolerance: the verdict fails rather than accept anything.

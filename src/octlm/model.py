@@ -462,9 +462,9 @@ class OctLM(nn.Module):
     ) -> Tensor:
         """Logits ``(B, T, V)`` for int64 ``tokens (B, T)``.
 
-        ``document_ids`` (int ``(B, T)``) packs several documents into a row: a token attends
-        only to the tokens of its own document, and its RoPE position is its place within that
-        document, so each document gets the logits it would get alone (docs/design.md §2).
+        ``document_ids`` (int ``(B, T)``) packs several documents into a row: a token attends only
+        to the tokens of its own document, and its RoPE position is its place within that document,
+        so each document gets the logits it would get alone (docs/design.md, 'Tensor conventions').
         With ``cache``, the tokens continue the cached sequence: their keys and values are
         appended and they attend to everything before them. ``positions`` (int64 ``(T,)``)
         gives the tokens' absolute positions for RoPE; by default they follow the cache,
@@ -636,9 +636,9 @@ class OctLM(nn.Module):
 def document_positions(document_ids: Tensor) -> Tensor:
     """Each token's RoPE position ``(B, T)``: how many tokens of its document precede it.
 
-    For a document in one run of tokens (as packing makes them) that is its index minus the
-    index of the document's first token. Ids may also recur apart (docs/design.md §2 allows
-    it); counting within the document keeps the positions it would have alone (a ``window``
+    For a document in one run of tokens (as packing makes them) that is its index minus the index of
+    the document's first token. Ids may also recur apart (docs/design.md, 'Tensor conventions'
+    allows it); counting within the document keeps the positions it would have alone (a ``window``
     still counts distance in the row, so with one only documents in one run match).
     """
     length = document_ids.shape[1]

@@ -1,4 +1,4 @@
-"""Records (docs/design.md §5): one JSON object per line, appended and flushed line by line.
+"""Records (docs/design.md, 'Records'): one JSON object per line, appended and flushed line by line.
 
 A run that is interrupted keeps every line it finished. Every record says what it is
 (``kind``), which run made it (``run``) and where: ``experiment``, ``time``, ``torch``,
@@ -54,8 +54,8 @@ REQUIRED: dict[str, dict[str, tuple]] = {
     "eval": {"step": (int,), "val_loss": NUMBER},
     "check": {"experiment": (str,)},  # a side measurement README quotes; the report skips it
 }
-# A benchmark record's shape and load: a field it has must be of its type (a record written
-# before the field existed reads as the default, so absence is allowed, but not ``null`` where
+# A benchmark record's shape and load: a field it has must be of its type (a record without the
+# field, as older files hold, reads as the default, so absence is allowed, but not ``null`` where
 # the type does not name it).
 SHAPED = {
     "dtype": (str,),
@@ -305,7 +305,7 @@ def _invalid(record) -> str | None:
             return f"{kind} record field {name!r} must be finite, got {value!r}"
     if kind in ("bench", "peak"):
         for name, types in SHAPED.items():
-            value = record.get(name, types[0]())  # absent: as a record from before the field
+            value = record.get(name, types[0]())  # absent: the default
             if not _of_type(value, types):
                 return _wrong(kind, name, value, types)
     positive = {"bench": "seconds_median", "peak": "gflops"}.get(kind)

@@ -15,8 +15,8 @@ For any text that does not spell ``<|endoftext|>`` the file's own ``Tokenizer.en
 equals ``encode(text.encode("utf-8"))`` and its ``decode`` of those ids gives the text back;
 octlm's ``encode`` reads those 13 characters as text wherever they occur (a corpus of Python or
 of web pages may hold them), where the ``tokenizers`` file (and so transformers and llama.cpp)
-reads them as the special token, as GPT-2's does. A BPE run written before the end token
-existed has none (``end_token`` None), and works as it did.
+reads them as the special token, as GPT-2's does. A BPE run folder whose tokenizer
+has no end token reads with ``end_token`` None and works without one.
 
 ``ByteTokenizer`` has no end token: a byte run's token is its byte, so its token files are the
 corpus bytes as uint8 and a byte run folder holds no tokenizer file at all. A 257th id would

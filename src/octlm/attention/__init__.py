@@ -1,4 +1,5 @@
-"""Exact attention, several ways behind one signature (docs/design.md §2-3).
+"""Exact attention, several ways behind one signature (docs/design.md, 'Tensor conventions' and
+'Public names').
 
 - :func:`naive_attention`: the reference; the whole score matrix.
 - :func:`sdpa_attention`: PyTorch's fused ``scaled_dot_product_attention``.

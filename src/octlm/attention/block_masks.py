@@ -16,9 +16,9 @@ so building the map costs O(blocks + edge places) instead of O(q_len x k_len). A
 callable is evaluated everywhere, one query block at a time. Both give the same map.
 
 Query ``q_index`` and key ``k_index`` are plain positions (``0..q_len-1``, ``0..k_len-1``); a
-``mask_mod`` that wants the bottom-right alignment of docs/design.md §2 adds ``k_len - q_len``
-itself. The result of ``mask_mod`` may broadcast over batch or heads (size 1), and the map
-keeps that size, so a pattern shared by all heads costs one head's work.
+``mask_mod`` that wants the bottom-right alignment of docs/design.md, 'Tensor conventions' adds
+``k_len - q_len`` itself. The result of ``mask_mod`` may broadcast over batch or heads (size 1), and
+the map keeps that size, so a pattern shared by all heads costs one head's work.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The attention call, defined once: its keywords and their one validation.
 
-:class:`Call` lists the keywords every implementation takes, with their defaults
-(docs/design.md §2); each public function writes them out in its ``def`` line, in this order
-with these defaults (tests/test_signatures.py holds them to it), and hands its arguments to
+:class:`Call` lists the keywords every implementation takes, with their defaults (docs/design.md,
+'Tensor conventions'); each public function writes them out in its ``def`` line, in this order with
+these defaults (tests/test_signatures.py holds them to it), and hands its arguments to
 :func:`call_of`. :func:`check` validates a call, so a bad one fails with a
-``ValueError``/``TypeError`` that names the argument, what it got and what was expected, before
-any kernel runs.
+``ValueError``/``TypeError`` that names the argument, what it got and what was expected, before any
+kernel runs.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class Call:
 
 
 # The call's keywords; the first six every implementation takes (ring and Triton refuse a mask
-# or key_lengths by value), the rest are the structure and score keywords of docs/design.md §2
-# that only the single-process PyTorch implementations take.
+# or key_lengths by value), the rest are the structure and score keywords of docs/design.md, 'Tensor
+# conventions' that only the single-process PyTorch implementations take.
 KEYWORDS = tuple(field.name for field in fields(Call) if field.kw_only)
 COMMON = ("causal", "window", "mask", "scale", "dropout_p", "key_lengths")
 FEATURES = tuple(name for name in KEYWORDS if name not in COMMON)
@@ -129,7 +129,8 @@ def _refuse(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) 
 
 
 def check(call: Call, *, dropout: bool = True, values: bool = True) -> Call:
-    """Validate ``call`` against docs/design.md §2; the same call with its ``scale`` filled in.
+    """Validate ``call`` against docs/design.md, 'Tensor conventions'; the same call with its
+    ``scale`` filled in.
 
     ``dropout=False`` refuses ``dropout_p > 0``, for an implementation without attention
     dropout. ``values=False`` checks only types, shapes, devices and plain numbers, never a

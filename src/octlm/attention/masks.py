@@ -1,5 +1,5 @@
-"""The structural rules of docs/design.md §2: bottom-right causal alignment, the sliding window,
-padding and packed documents.
+"""The structural rules of docs/design.md, 'Tensor conventions': bottom-right causal alignment, the
+sliding window, padding and packed documents.
 
 Query row ``i`` sits at key position ``past + i``; it may see key ``j`` iff ``j <= past + i``
 (when causal) and ``past + i - j < window`` (when ``window > 0``). ``past`` is

@@ -2,7 +2,7 @@
 
 The handwritten path the project began with. Short and obviously right on purpose: it is what
 the other implementations are checked against, and, run in float64, the reference of
-docs/design.md §4. Memory is O(q_len x k_len) per head.
+docs/design.md, 'When are two results equal'. Memory is O(q_len x k_len) per head.
 """
 
 from __future__ import annotations

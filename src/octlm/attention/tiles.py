@@ -1,5 +1,5 @@
-"""The import path of :mod:`octlm.attention.tiled.options` before the tiled package: the same
-module object, so ``from octlm.attention.tiles import DEFAULT_BLOCK`` keeps working."""
+"""A second import path for :mod:`octlm.attention.tiled.options`, the same module object, so
+``from octlm.attention.tiles import DEFAULT_BLOCK`` works as well."""
 
 import sys
 

@@ -1,5 +1,5 @@
-"""The import path of :mod:`octlm.attention.tiled.triton_flash` before the tiled package: the
-same module object (it needs Triton, as ever)."""
+"""A second import path for :mod:`octlm.attention.tiled.triton_flash`, the same module object
+(it needs Triton)."""
 
 import sys
 

@@ -90,7 +90,7 @@ def find_documents(path: str | os.PathLike, glob: str) -> list[Path]:
 
 def path_fraction(relative: Path) -> float:
     """A document's place in [0, 1): the hash of its path relative to the corpus root."""
-    # fsencode: a name that is not UTF-8 hashes as its own bytes (UTF-8 ones as before)
+    # fsencode: a name that is not UTF-8 hashes as its own bytes, a UTF-8 one as its encoding
     digest = hashlib.sha256(os.fsencode(relative.as_posix())).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 

@@ -1,9 +1,9 @@
 """A run's records (``RUN_DIR/metrics.jsonl``) and its loss-curve picture.
 
-One JSON object per line, appended and fsynced as it is written (docs/design.md §5), with the
-context fields and the ``run`` id every octlm record carries (one id per launch: a resumed run
-writes under a new one). A diverged run's losses are NaN or infinite and are kept as such.
-Lines are of two kinds:
+One JSON object per line, appended and fsynced as it is written (docs/design.md, 'Records'), with
+the context fields and the ``run`` id every octlm record carries (one id per launch: a resumed run
+writes under a new one). A diverged run's losses are NaN or infinite and are kept as such. Lines are
+of two kinds:
 
 - ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
   whole global batch, in nats per token), ``bits_per_byte`` (the same loss over the bytes its

@@ -33,7 +33,7 @@ def generate_text(
 
     Generation stops at the tokenizer's end-of-text token (not in the text); with ``stop``
     False it goes on past it, written as ``<|endoftext|>``. A tokenizer without one (bytes, a
-    BPE run from before end tokens) runs the ``max_new_tokens``.
+    BPE tokenizer that has none) runs the ``max_new_tokens``.
 
     The model knows positions up to ``max_length`` only, so a longer text is decoded in
     windows: when one is full, decoding starts again (a new KV cache) from the last

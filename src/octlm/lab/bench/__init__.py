@@ -1,6 +1,6 @@
 """``octlm bench``: each measurement in a fresh process, each result one record.
 
-Records: docs/design.md §5.
+Records: docs/design.md, 'Records'.
 
 - :mod:`octlm.lab.bench.suites`: the named grids of measurements (``baseline``, ``train``, ...),
   and the program suites (``PROGRAMS``) that take their own options.

@@ -15,7 +15,7 @@ in the machine's load falls on both (``stage="decode"``). Last, the attention ca
 query against the context's keys, as the cache hands them out and copied contiguous, timed
 the same interleaved way (``stage="attention"``).
 
-Every record carries the fields of ``docs/design.md`` §5 that apply, the 1-minute load average
+Every record carries the fields of docs/design.md, 'Records', that apply, the 1-minute load average
 before and after the measurement and ``cpu_share`` (the process's CPU time over wall time,
 per thread): on a shared machine, a figure taken while others ran says so itself.
 """

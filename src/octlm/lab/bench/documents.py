@@ -15,7 +15,7 @@ and ``flex`` (``torch.nn.attention.flex_attention``, compiled, forward only: it 
 backward) adds the time of ``create_block_mask`` for the same ``mask_mod``, measured
 separately. Compilation happens in a warm-up call and is not timed.
 
-Each record carries the docs/design.md §5 fields, the shape, ``seconds`` (every round),
+Each record carries the fields of docs/design.md, 'Records', the shape, ``seconds`` (every round),
 ``seconds_median``, ``seconds_spread`` and ``loadavg`` (``os.getloadavg()`` before and after).
 """
 

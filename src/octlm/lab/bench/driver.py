@@ -176,7 +176,8 @@ def recorded(output: str | os.PathLike) -> tuple[set[tuple], str | None]:
 
 
 def _probe(device: str) -> dict:
-    """Context and free memory of ``device``, asked of a child so we never hold a CUDA context."""
+    """Context and free memory of ``device``, asked of a child so the driver holds no CUDA
+    context."""
     done = subprocess.run(
         [*WORKER, "--probe", device, "--parent", str(os.getpid())], capture_output=True, text=True
     )
@@ -334,7 +335,7 @@ def _kill(worker: subprocess.Popen) -> None:
 
 
 class Competitor:
-    """One CPU-bound process beside the busy measurements (``--busy``); it dies with us."""
+    """One CPU-bound process beside the busy measurements (``--busy``); it dies with the driver."""
 
     def __init__(self):
         self.process: subprocess.Popen | None = None

@@ -28,7 +28,7 @@ def die_with_parent(parent: int) -> None:
     """End this process with SIGKILL once ``parent`` (the driver's pid) is gone."""
     if not _pdeathsig():
         threading.Thread(target=_watch, args=(parent,), daemon=True).start()
-    # The parent may have died before the guard was set: then we are already an orphan.
+    # The parent may have died before the guard was set: then this process is already an orphan.
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -66,7 +66,7 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def _pdeathsig() -> bool:
-    """Ask the kernel to SIGKILL us when our parent exits; False where that fails."""
+    """Ask the kernel to SIGKILL this process when its parent exits; False where that fails."""
     libc = _libc()
     return libc is not None and libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
 

@@ -8,12 +8,12 @@ gloo process group over a file store: ``ru_maxrss`` is a lifetime peak, so nothi
 process before it. ``W = 1`` is the baseline, ``tiled_attention`` on the whole sequence. The
 machine's threads are shared out: each of the ``W`` ranks gets ``threads // W``.
 
-A repeat is timed from a barrier to a barrier, so it lasts as long as the slowest rank. Each
-record (kind ``ring``) carries the docs/design.md §5 benchmark fields and ``world_size``,
-``layout``, and ``rank_peak_bytes`` (every rank's ``ru_maxrss``); ``peak_bytes`` is the largest
-of those, and ``baseline_bytes``/``extra_bytes`` are that rank's figures. Options that would
-make a record say something other than what ran (a length that the layout cannot split over a
-world size, no repeats) are refused before anything runs.
+A repeat is timed from a barrier to a barrier, so it lasts as long as the slowest rank. Each record
+(kind ``ring``) carries the benchmark fields of docs/design.md, 'Records', and ``world_size``,
+``layout``, and ``rank_peak_bytes`` (every rank's ``ru_maxrss``); ``peak_bytes`` is the largest of
+those, and ``baseline_bytes``/``extra_bytes`` are that rank's figures. Options that would make a
+record say something other than what ran (a length that the layout cannot split over a world size,
+no repeats) are refused before anything runs.
 """
 
 from __future__ import annotations

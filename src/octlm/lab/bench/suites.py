@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from octlm.attention.tiled.options import DEFAULT_BLOCK
 
 BACKENDS = ("naive", "math", "flash", "efficient", "cudnn", "tiled", "sketch", "triton", "auto")
-# The structure and score keywords a measurement may add (docs/design.md §2), each in one fixed
-# form: 8 packed documents of equal length; left padding of the ``padding`` fraction of keys
-# (``key_starts``, where ``padding`` alone is right padding by ``key_lengths``); a softcap of
-# 50 (Gemma 2's); ALiBi's usual slopes; one learnable sink per head.
+# The structure and score keywords a measurement may add (docs/design.md, 'Tensor conventions'),
+# each in one fixed form: 8 packed documents of equal length; left padding of the ``padding``
+# fraction of keys (``key_starts``, where ``padding`` alone is right padding by ``key_lengths``); a
+# softcap of 50 (Gemma 2's); ALiBi's usual slopes; one learnable sink per head.
 FEATURES = ("documents", "left padding", "softcap", "alibi", "sinks")
 MODES = ("forward", "train")
 DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -1,9 +1,9 @@
 """Exactly one measurement in this process: ``python -m octlm.lab.bench.worker --json '{...}'``.
 
 Builds the inputs, takes the memory baseline just before the measured call, warms up, times the
-repeats, reads the peak, and prints one JSON line: the whole benchmark record (docs/design.md
-§5). A backend that cannot run is an ``unsupported`` record with torch's reason, never a silent
-fallback: each SDPA backend is forced alone with ``sdpa_kernel``.
+repeats, reads the peak, and prints one JSON line: the whole benchmark record (docs/design.md,
+'Records'). A backend that cannot run is an ``unsupported`` record with torch's reason, never a
+silent fallback: each SDPA backend is forced alone with ``sdpa_kernel``.
 
 Beside the times, the record says how busy the machine was: the load average before and after,
 and the CPU time this process got while the repeats ran against their wall time (a process

@@ -1,7 +1,7 @@
 """``octlm report``: this machine's figures beside the baseline's, tables and plots; or, given
 a training run, that run's report.
 
-Every number in the report is computed from records (docs/design.md §5); none is typed in. A
+Every number in the report is computed from records (docs/design.md, 'Records'); none is typed in. A
 section without records is one line naming the command that measures it. Records of different
 machines (:func:`octlm.records.identity`) are reported apart, never set against each other.
 Each file is read once and its records dispatched by kind (:mod:`octlm.lab.report.collect`); each

@@ -60,7 +60,8 @@ def section(checks: list[dict]) -> list[str]:
     return [
         f"{len(checks)} verification records from the latest run of each of {runs} "
         f"experiments, {failed} failed. Figures are the worst case; the pass count applies "
-        "docs/design.md §4 (error against float64 within twice naive's).",
+        "the equality rule (docs/design.md, 'When are two results equal': error against float64 "
+        "within twice naive's).",
         "",
         *table(["Check", "Baseline", "This machine"], body),
     ]

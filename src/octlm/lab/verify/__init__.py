@@ -1,12 +1,12 @@
 """Equivalence experiments: every attention implementation against the float64 reference.
 
-Each experiment is a generator of verification records (docs/design.md §5). :func:`run` appends
-every record to ``<out>/<date>-<experiment>.jsonl`` the moment it is computed, so a run that is
-killed keeps every finished line; each record carries the run's id. Outputs are judged by the
-equality rule of docs/design.md §4 (against naive attention in float64, relative to naive attention
-in the tested dtype); pairwise differences (tiled vs sdpa, the model's logits) go in
-``max_abs_diff``, which the report sets beside the baseline's figures. Token counts and loss curves
-are not judged by that rule: their records say what they counted instead.
+Each experiment is a generator of verification records (docs/design.md, 'Records'). :func:`run`
+appends every record to ``<out>/<date>-<experiment>.jsonl`` the moment it is computed, so a run that
+is killed keeps every finished line; each record carries the run's id. Outputs are judged by the
+equality rule of docs/design.md, 'When are two results equal' (against naive attention in float64,
+relative to naive attention in the tested dtype); pairwise differences (tiled vs sdpa, the model's
+logits) go in ``max_abs_diff``, which the report sets beside the baseline's figures. Token counts
+and loss curves are not judged by that rule: their records say what they counted instead.
 
 =================  ==========================================================================
 tiled-sdpa         tiled vs sdpa, and sdpa vs naive, over the reference lengths and blocks

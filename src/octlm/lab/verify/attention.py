@@ -174,8 +174,9 @@ def _partial_steps(query: Tensor, key: Tensor, value: Tensor, case: Case):
 
 
 def gradients(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
-    """dq, dk, dv of tiled against float64 autograd through naive (docs/design.md §4, factor 3):
-    causal, non-causal, GQA, window, fewer queries than keys, and strided inputs."""
+    """dq, dk, dv of tiled against float64 autograd through naive (docs/design.md, 'When are two
+    results equal', factor 3): causal, non-causal, GQA, window, fewer queries than keys, and strided
+    inputs."""
     length = plan.gradient_length
     shapes = (
         Case(length),

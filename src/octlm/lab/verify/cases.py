@@ -16,7 +16,8 @@ JUDGED = ("error", "base_error", "tolerance", "max_abs_diff")
 
 @dataclass(frozen=True)
 class Case:
-    """The attention shape a record is about: the docs/design.md §5 fields and the inputs' sizes."""
+    """The attention shape a record is about: the fields of docs/design.md, 'Records', and
+    the inputs' sizes."""
 
     length: int  # keys (and queries, unless q_len is given)
     kv_heads: int = 8
@@ -40,7 +41,7 @@ class Case:
 def outcome(
     check: str, left: str, right: str, case: Case, dtype: torch.dtype, passed: bool, **figures
 ) -> dict:
-    """One verification record (docs/design.md §5), without the context fields; ``figures``
+    """One verification record (docs/design.md, 'Records'), without the context fields; ``figures``
     are the check's own (a check that is not judged by the equality rule leaves
     :data:`JUDGED` empty and says what it counted instead)."""
     return {
@@ -71,8 +72,8 @@ def record(
     diff: float,
     **extra,
 ) -> dict:
-    """The record of a check judged by the equality rule (docs/design.md §4): its errors,
-    tolerance and the pairwise difference ``diff``."""
+    """The record of a check judged by the equality rule (docs/design.md, 'When are two results
+    equal'): its errors, tolerance and the pairwise difference ``diff``."""
     return outcome(
         check,
         left,

@@ -1,6 +1,6 @@
-"""The structure and score keywords (docs/design.md §2) in every implementation that takes them:
-packed documents, left padding, softcap, ALiBi, sinks and a block mask, forward and backward,
-each judged against float64 naive attention given the same keywords."""
+"""The structure and score keywords (docs/design.md, 'Tensor conventions') in every implementation
+that takes them: packed documents, left padding, softcap, ALiBi, sinks and a block mask, forward and
+backward, each judged against float64 naive attention given the same keywords."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ STRUCTURES: dict[str, tuple[dict, Callable[[Case, str], dict]]] = {
 def structure(plan: Plan, device: str, dtypes: Sequence[torch.dtype]) -> Iterator[dict]:
     """For each case of :data:`STRUCTURES`, every single-process implementation whose features
     include its keywords: the output and the gradients of query, key, value (and of ALiBi
-    slopes and sinks), judged by docs/design.md §4 against naive attention in float64."""
+    slopes and sinks), judged by docs/design.md, 'When are two results equal' against naive
+    attention in float64."""
     shape = Case(plan.structure_length, kv_heads=2, batch=2, block=plan.structure_block)
     for dtype in dtypes:
         for name, (changes, keywords) in STRUCTURES.items():
