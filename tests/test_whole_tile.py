@@ -1,8 +1,8 @@
 """Small calls are computed whole (tiled/whole.py): the path is taken where the call fits in one
-tile and not beyond, and it is exact by the rule of docs/design.md §4 (outputs factor 2,
-gradients factor 3, against the float64 reference of tests/helpers.py) for every structure and
-score modifier, for rows that see nothing or one key, a NaN in a hidden key and huge finite
-mask values."""
+tile and not beyond, and it is exact by the rule of docs/design.md, 'When are two results equal'
+(outputs factor 2, gradients factor 3, against the float64 reference of tests/helpers.py) for every
+structure and score modifier, for rows that see nothing or one key, a NaN in a hidden key and huge
+finite mask values."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """``attention="auto"``: per call, the faster exact path of ``sdpa`` and ``tiled``.
 
-:func:`route` holds the whole rule (docs/design.md §3) and says what it chose and why;
-:func:`auto_attention` follows it. Both implementations compute the same function (§4), so the
-choice changes speed and memory, never the result beyond rounding, with one exception: a NaN
-or infinity in a key or value that a row cannot see leaves the row alone in ``tiled``, while
-``sdpa`` may make the row NaN (docs/design.md §2).
+:func:`route` holds the whole rule (docs/design.md, 'Which implementation auto runs') and says
+what it chose and why; :func:`auto_attention` follows it. Both implementations compute the same
+function (docs/design.md, 'When are two results equal'), so the choice changes speed and
+memory, never the result beyond rounding, with one exception: a NaN or infinity in a key or
+value that a row cannot see leaves the row alone in ``tiled``, while ``sdpa`` may make the row
+NaN (docs/design.md, 'Tensor conventions').
 
 The rule rests on one observation: SDPA's fused kernel is the fastest path for a call it takes
 without a dense ``(q_len, k_len)`` mask, and tiled's block engine is the fastest wherever the
@@ -60,7 +61,8 @@ def route(
       SDPA, given one dense mask of both, computes every score; otherwise ``sdpa``, whose
       fused kernel applies a dense mask faster than the block loop. A float mask whose rows
       carry finite values beyond ±2¹⁶ with gradients wanted makes ``sdpa`` fall back on its
-      MATH backend (docs/design.md §2); this rule cannot see values, so name ``tiled`` there.
+      MATH backend (docs/design.md, 'Tensor conventions'); this rule cannot see values, so name
+      ``tiled`` there.
     - no structure: ``sdpa`` for non-causal calls, causal ones with ``q_len == k_len``
       (SDPA's own ``is_causal``) and a single query row, which sees every key; ``tiled`` for
       other causal shapes (a chunk after a KV cache), whose bottom-right rule SDPA takes

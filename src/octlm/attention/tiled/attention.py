@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 class _TiledAttention(torch.autograd.Function):
     """Autograd through the block steps; saves query, key, value, output and the per-row shift
-    and sum of the online softmax (docs/design.md §7). The caller's tensors (``TENSORS``) come
-    in one by one, so that autograd sees them, and join the tensor-free ``rules`` here."""
+    and sum of the online softmax (docs/design.md, 'The numerics of the tiled core'). The
+    caller's tensors (``TENSORS``) come in one by one, so that autograd sees them, and join the
+    tensor-free ``rules`` here."""
 
     @staticmethod
     def forward(
@@ -171,7 +172,7 @@ def tiled_attention(
         block: ``(block_q, block_k)`` query rows and keys per tile, or one int for both. A
             performance choice, not a numerical one: the output changes only by rounding.
             On CPU with several threads, query blocks are cut smaller (down to 128 rows) so
-            that every thread gets many (docs/design.md §7).
+            that every thread gets many (docs/design.md, 'The numerics of the tiled core').
         causal: bottom-right aligned: row ``i`` sees key ``j`` iff ``j <= k_len - q_len + i``.
         window: if > 0, a row also sees only the ``window`` most recent keys (itself included).
         mask: bool (True = may attend) or float (added to the scaled scores), broadcastable

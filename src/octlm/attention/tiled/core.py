@@ -6,7 +6,7 @@ Layout: the query heads that share one key/value head are folded into the rows o
 ``(B, H, Q, D) -> (B, Hkv, Q, G, D)`` viewed as ``(B*Hkv, Q*G, D)`` per block, so GQA costs
 one matmul per block with no copy of key or value. ``G = heads // kv_heads``. The numerics
 (why a shift that is not the running maximum, why base 2, what is exact) are in
-docs/design.md §7.
+docs/design.md, 'The numerics of the tiled core'.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class Units:
     """The units scores are kept in: ``unit`` times natural units, exponentiated in base
-    ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is about
-    twice as cheap as ``exp`` on CPU. Natural units where a term joins the scores (a float
-    mask, ALiBi, a softcap; docs/design.md §7): the tile is then formed as naive forms it, to
-    the last bit where the matmul sums alike. And where the sinks offset scores by finite
-    values of ``LARGE_OFFSET`` or more: there the offset's rounding, not the scores', sets
-    the error, and scaling by ``log2(e)`` can carry a sum into the next binade and double it;
-    and a value near ``finfo.max`` would overflow, where it is still a score and must keep its
-    place in the softmax."""
+    ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is about twice as
+    cheap as ``exp`` on CPU. Natural units where a term joins the scores (a float mask, ALiBi, a
+    softcap; docs/design.md, 'The numerics of the tiled core'): the tile is then formed as naive
+    forms it, to the last bit where the matmul sums alike. And where the sinks offset scores by
+    finite values of ``LARGE_OFFSET`` or more: there the offset's rounding, not the scores', sets
+    the error, and scaling by ``log2(e)`` can carry a sum into the next binade and double it; and a
+    value near ``finfo.max`` would overflow, where it is still a score and must keep its place in
+    the softmax."""
 
     unit: float
 

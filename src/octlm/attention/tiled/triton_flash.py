@@ -1,13 +1,13 @@
 """FlashAttention-2 as Triton kernels: forward, and a deterministic recomputing backward.
 
-The same algorithm and semantics as :mod:`octlm.attention.tiled` (docs/design.md §2),
-compiled for the GPU: GQA (query head ``h`` reads key/value head ``h // (H // Hkv)``),
-bottom-right causal alignment, a sliding window, left and right padding (``key_starts``,
+The same algorithm and semantics as :mod:`octlm.attention.tiled` (docs/design.md, 'Tensor
+conventions'), compiled for the GPU: GQA (query head ``h`` reads key/value head ``h // (H //
+Hkv)``), bottom-right causal alignment, a sliding window, left and right padding (``key_starts``,
 ``key_lengths``), packed documents (``document_ids``), the score modifiers ``softcap`` and
 ``alibi_slopes`` and learnable ``sinks``, any lengths, head sizes up to 256 (padded inside the
-kernels to a power of two, at least 16, with masked loads), float16, bfloat16 and float32
-inputs with fp32 accumulation, zeros (never NaN) for rows that see no key and an fp32
-log-sum-exp. Only ``mask`` and ``block_mask`` are left to the PyTorch blocks.
+kernels to a power of two, at least 16, with masked loads), float16, bfloat16 and float32 inputs
+with fp32 accumulation, zeros (never NaN) for rows that see no key and an fp32 log-sum-exp. Only
+``mask`` and ``block_mask`` are left to the PyTorch blocks.
 
 Three kernels, one program per tile, no atomics:
 
@@ -19,11 +19,11 @@ Three kernels, one program per tile, no atomics:
   ``exp2(scores - shift) / sum``; the group's sum happens in registers, in a fixed order.
 - query gradient: one program per (query block, head, batch) walks the key blocks again.
 
-The backward recomputes each score as the forward formed it: the same ``q @ kᵀ`` operand
-order (the key/value kernel transposes the product, not its operands), the same base-2
-arithmetic, and the forward's own shift, never one rebuilt from the natural-log lse (whose
-rounding, times ``log2(e)``, would move it). So a row whose only score is its shift gets
-probability exactly 1, as in the forward (docs/design.md §7, for the PyTorch engine).
+The backward recomputes each score as the forward formed it: the same ``q @ kᵀ`` operand order (the
+key/value kernel transposes the product, not its operands), the same base-2 arithmetic, and the
+forward's own shift, never one rebuilt from the natural-log lse (whose rounding, times ``log2(e)``,
+would move it). So a row whose only score is its shift gets probability exactly 1, as in the forward
+(docs/design.md, 'The numerics of the tiled core', for the PyTorch engine).
 
 ``delta = rowsum(dO * O)`` is computed once beforehand, in PyTorch, and so are the gradients of
 the sinks (from the row statistics and delta alone) and the sum of the query-gradient programs'
@@ -69,7 +69,8 @@ def _jit(fn):
 @_jit
 def _visible(position, key, k_lo, k_hi, window, CAUSAL: tl.constexpr):
     """Where a query at ``position`` may see ``key`` (broadcast shapes), keys outside
-    ``[k_lo, k_hi)`` being padding: docs/design.md §2. Documents are checked by the caller."""
+    ``[k_lo, k_hi)`` being padding: docs/design.md, 'Tensor conventions'. Documents are checked by
+    the caller."""
     seen = (key >= k_lo) & (key < k_hi) & (position - key < window)
     if CAUSAL:
         seen = seen & (key <= position)
@@ -136,10 +137,10 @@ def _slope(SLOPES, batch, head, stride_sb, ALIBI: tl.constexpr):
 def _scores(products, position, key, scale, softcap, slope, SOFTCAP: tl.constexpr,
             ALIBI: tl.constexpr):  # fmt: skip
     """Base-2 scores of a tile from its ``q·k`` products (any orientation; ``position`` and
-    ``key`` broadcast to it), with the modifiers of docs/design.md §2 in their order: the
-    softcap, then ALiBi's bias. Base 2, since exp2 is the native instruction. Also
-    ``tanh(s / softcap)``, whose derivative the backward needs (the products themselves
-    without a softcap)."""
+    ``key`` broadcast to it), with the modifiers of docs/design.md, 'Tensor conventions' in their
+    order: the softcap, then ALiBi's bias. Base 2, since exp2 is the native instruction. Also
+    ``tanh(s / softcap)``, whose derivative the backward needs (the products themselves without a
+    softcap)."""
     tanh = products
     if SOFTCAP:
         # tanh from exp2, as the interpreter has no libdevice: exp2 -> inf gives 1, -> 0 gives -1
@@ -487,7 +488,8 @@ def _sizes(query, key, documents, bounds, slopes, causal, window, scale, softcap
         "HEAD_BLOCK": max(16, triton.next_power_of_2(head_size)),  # tl.dot needs >= 16
         "CAUSAL": causal,
         # fp32 inputs get true fp32 products: TF32, Triton's default for them, would not pass
-        # docs/design.md §4 against an fp32 reference. fp16/bf16 operands keep Triton's default.
+        # docs/design.md, 'When are two results equal' against an fp32 reference. fp16/bf16 operands
+        # keep Triton's default.
         "PRECISION": "ieee" if query.dtype == torch.float32 else None,
         "DOCUMENTS": documents is not None,
         "PADDED": bounds is not None,

@@ -18,7 +18,7 @@ from octlm.attention.tiled.core import NEG_INF, Rules, Units, as_3d, fold_mask, 
 from octlm.attention.tiled.threads import workers
 
 # Query blocks per CPU thread, when there are enough rows: blocks are cut smaller to make them,
-# down to THREAD_ROWS rows (docs/design.md §7, threads).
+# down to THREAD_ROWS rows (docs/design.md, 'The numerics of the tiled core', threads).
 THREAD_SHARES = 16
 THREAD_ROWS = 128
 
@@ -38,10 +38,10 @@ class BlockWalk:
     page faults comparable to the matmul itself.
 
     Score modifiers act on each tile, in this order, before any mask and before the shift is
-    subtracted (docs/design.md §7): ``softcap`` (natural units) replaces the scores ``s`` by
-    ``softcap * tanh(s / softcap)``, and ``alibi_slopes`` (folded as ``(B|1, Hkv, 1, G, 1)``)
-    add ``-slope * distance``. With ``keep_tanh`` the tile's ``tanh`` is kept in
-    ``self.tanh`` for the backward.
+    subtracted (docs/design.md, 'The numerics of the tiled core'): ``softcap`` (natural units)
+    replaces the scores ``s`` by ``softcap * tanh(s / softcap)``, and ``alibi_slopes`` (folded as
+    ``(B|1, Hkv, 1, G, 1)``) add ``-slope * distance``. With ``keep_tanh`` the tile's ``tanh`` is
+    kept in ``self.tanh`` for the backward.
 
     With ``careful`` (some input is not finite) hidden places are set to ``-inf`` by masked
     fills, never by adding a ``-inf`` bias, so a NaN a row cannot see stays out of its scores.
@@ -262,7 +262,7 @@ class BlockWalk:
         else:
             tile = self.tile("scores", *size)
             scores = torch.bmm(q_block, k_block.transpose(1, 2), out=tile)  # (B*Hkv, R*G, C)
-        if self.cap is not None:  # bounded scores: the shift logic of §7 holds as it is
+        if self.cap is not None:  # bounded scores: the shift logic holds as it is
             scores.div_(self.cap).tanh_()
             if self.keep_tanh:
                 self._local.tanh = self.tile("tanh", *scores.shape).copy_(scores)

@@ -8,15 +8,14 @@ shift is its exact maximum (the sink's logit included), so the online softmax de
 one ``(shift, total)`` per row; and the backward forms the scores again with the very
 operations of the forward, so its probabilities are the forward's bit for bit.
 
-The heads are cut into pieces of a batch element and a few key/value heads, about
-``PIECE_SCORES`` scores each, fixed by the shapes alone (so the forward and the backward cut
-alike): a piece's tile stays in cache, and on CPU the pieces go to threads that run their ops
-on one core each (threads.py). A query head group is a view, never a copy: the group's query
-rows ``(G*Q, D)`` meet their key/value head in one matmul, so the tile ``(G*Q, K)`` is the
-group's ``(G, Q, K)`` scores as it stands and ``probsᵀ @ grad`` sums the group's key
-gradients in the matmul. The numerics are the engine's (docs/design.md §7): the same
-:class:`Units`, the score modifiers in the same order and units, rows that see nothing give
-zeros.
+The heads are cut into pieces of a batch element and a few key/value heads, about ``PIECE_SCORES``
+scores each, fixed by the shapes alone (so the forward and the backward cut alike): a piece's tile
+stays in cache, and on CPU the pieces go to threads that run their ops on one core each
+(threads.py). A query head group is a view, never a copy: the group's query rows ``(G*Q, D)`` meet
+their key/value head in one matmul, so the tile ``(G*Q, K)`` is the group's ``(G, Q, K)`` scores as
+it stands and ``probsᵀ @ grad`` sums the group's key gradients in the matmul. The numerics are the
+engine's (docs/design.md, 'The numerics of the tiled core'): the same :class:`Units`, the score
+modifiers in the same order and units, rows that see nothing give zeros.
 """
 
 from __future__ import annotations
