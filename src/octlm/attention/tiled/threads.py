@@ -1,13 +1,6 @@
-"""Independent blocks of work on CPU threads, each thread running single-threaded ops.
-
-Every PyTorch CPU op is one OpenMP parallel region that ends at a barrier, and the block loop
-issues hundreds of small ops per call. On an idle machine that costs a little; on a busy one a
-thread that loses its core holds every barrier until the scheduler gives it back, so a loop of
-small ops slows far more beside a competing process than one fused kernel does (one parallel
-region; docs/benchmarks.md, contention). Here the work is split instead: independent query
-blocks are handed out one at a time to ``torch.get_num_threads()`` Python threads that run
-their ops on one core each (PyTorch releases the GIL inside an op), so there is no barrier
-between ops and a thread that is slowed simply takes fewer blocks.
+"""Independent blocks of work on CPU threads, each thread running single-threaded ops: no
+OpenMP barrier between the block loop's small ops, and a thread slowed by another process
+simply takes fewer blocks (why: docs/design.md, 'The numerics of the tiled core', threads).
 
 While such a call runs, PyTorch's intra-op thread count is 1 (the worker threads are set once
 and keep it); it is restored when the last concurrent call ends.

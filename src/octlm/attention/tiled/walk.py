@@ -84,9 +84,7 @@ class BlockWalk:
         self.block_map = block_map = rules.block_mask
         if block_map is not None:
             self.block_q, self.block_k = block_map.block
-        # Enough query blocks for every CPU thread to take many (see threads.py), down to
-        # THREAD_ROWS rows a block: blocks are handed out one at a time, and small last ones
-        # let a thread that lost its core to another process finish with the rest.
+        # Enough query blocks for every CPU thread to take many, down to THREAD_ROWS rows.
         elif (threads := workers(keys.device)) > 1 and self.q_len > THREAD_ROWS:
             rows = max(THREAD_ROWS, -(-self.q_len // (THREAD_SHARES * threads)))
             self.block_q = min(self.block_q, rows)
@@ -116,13 +114,10 @@ class BlockWalk:
 
     def groups(self) -> list[list[range]]:
         """The backward's tasks: runs of consecutive query blocks, the run that sees the most
-        keys first. Each run sums its key gradients into its own buffer, over the keys its
-        rows see, and the runs are added in this order: the result does not depend on which
-        thread ran what. Runs are handed out one at a time, so a thread slowed by another
-        process takes fewer; twice as many runs as threads give it more to leave, and are
-        taken when their buffers add up to at most a quarter more than one buffer of every
-        key per thread (causal self-attention, where early runs see few keys), else one run
-        per thread."""
+        keys first, each summing its key gradients into its own buffer; the runs are added in
+        this order. Twice as many runs as threads where their buffers add up to at most a
+        quarter more than one buffer of every key per thread, else one run per thread (why:
+        docs/design.md, 'The numerics of the tiled core', threads)."""
         blocks = list(self.query_blocks())
         threads = workers(self.keys.device)
         runs, finer = self._runs(blocks, threads), self._runs(blocks, 2 * threads)
