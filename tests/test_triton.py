@@ -48,7 +48,7 @@ if not CUDA and sys.modules.get("triton") is not None and _PREVIOUS != "1":
 _interpret(not CUDA)
 try:
     pytest.importorskip("triton", reason="Triton is not installed (pip install octlm[triton])")
-    from octlm.attention.tiled import triton_flash
+    from octlm.attention.tiled import triton_flash, triton_kernels
 finally:
     _interpret(False)
 
@@ -549,18 +549,18 @@ def test_cuda_backward_is_deterministic():
 def _ranges_kernel():
     """A kernel returning both block-range helpers per case: (key lo, key hi, row lo, row hi).
     Built inside a test, so it is made while the interpreter is on."""
-    tl = triton_flash.tl
+    tl = triton_kernels.tl
 
-    @triton_flash.triton.jit
+    @triton_kernels.triton.jit
     def kernel(starts, pasts, lengths, windows, out, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
         case = tl.program_id(0)
         start, past = tl.load(starts + case), tl.load(pasts + case)
         k_len, window = tl.load(lengths + case), tl.load(windows + case)
         q_len = k_len - past
-        key_lo, key_hi = triton_flash._key_range(start, past, 0, k_len, window, BLOCK_M,
+        key_lo, key_hi = triton_kernels._key_range(start, past, 0, k_len, window, BLOCK_M,
                                                  BLOCK_N, CAUSAL)  # fmt: skip
-        row_lo, row_hi = triton_flash._query_range(start, past, q_len, window, BLOCK_M,
+        row_lo, row_hi = triton_kernels._query_range(start, past, q_len, window, BLOCK_M,
                                                    BLOCK_N, CAUSAL)  # fmt: skip
         tl.store(out + 4 * case, key_lo)
         tl.store(out + 4 * case + 1, key_hi)

@@ -23,6 +23,7 @@ COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from octlm.attention.tiled import triton_flash as kernels
+    from octlm.attention.tiled import triton_kernels
 
     # fp32 whatever the inputs
     FLOATS = ("LSE", "DELTA", "SLOPES", "SINKS", "DSLOPES", "SHIFT", "TOTAL", "INVERSE")
@@ -51,9 +52,9 @@ COMPILE = textwrap.dedent(
 
     for dtype, table in (("fp16", kernels._HALF_TILES), ("fp32", kernels._FLOAT32_TILES)):
         for on in (False, True):
-            compile_kernel(kernels._forward_kernel, dtype, on, table["forward"][64])
-            compile_kernel(kernels._key_value_grad_kernel, dtype, on, table["key_value"][64])
-            compile_kernel(kernels._query_grad_kernel, dtype, on, table["query"][64])
+            compile_kernel(triton_kernels._forward_kernel, dtype, on, table["forward"][64])
+            compile_kernel(triton_kernels._key_value_grad_kernel, dtype, on, table["key_value"][64])
+            compile_kernel(triton_kernels._query_grad_kernel, dtype, on, table["query"][64])
     print("compiled")
     """
 )
