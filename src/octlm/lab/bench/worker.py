@@ -194,7 +194,12 @@ def measure(
         except RuntimeError as error:
             if any(text in str(error) for text in NO_KERNEL):
                 told = list(dict.fromkeys(str(w.message) for w in caught))  # CUDA says why here
-                reason = "; ".join([f"{m.backend} on {m.device}: {error}", *told])
+                meaning = (  # torch's own words blame the backends the benchmark turned off
+                    "torch has no CPU kernel for this backend (CUDA only); torch says: "
+                    if m.device == "cpu" and m.backend == "efficient"
+                    else ""
+                )
+                reason = "; ".join([f"{m.backend} on {m.device}: {meaning}{error}", *told])
                 results = {"status": "unsupported", "reason": reason[:2000]}
             elif "can't allocate memory" in str(error):  # the CPU allocator's out-of-memory
                 results = {"status": "oom", "reason": _describe(error)}
