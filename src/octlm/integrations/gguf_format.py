@@ -43,8 +43,6 @@ from octlm.tokenizer import BYTE_VOCAB, END_OF_TEXT, byte_symbols
 
 ARCHITECTURE = "llama"
 PRE_TOKENIZER = "gpt-2"
-# Every message's text, nothing around it: the model continues the text it is given.
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FILE_TYPES = {
     torch.float32: gguf.LlamaFileType.ALL_F32,
@@ -176,7 +174,8 @@ def write(
     writer.add_eos_token_id(end)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    # No chat template: with one, llama-completion turns to conversation mode, and its own
+    # template engine refuses any template it does not know; a base model continues text.
     for tensor_name, tensor in gguf_tensors(config, state, dtype).items():
         if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed by gguf
             data = tensor.view(torch.uint8).numpy()
