@@ -18,11 +18,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,triton,transformers,export]"
 	touch $@
 
-# pytest-xdist runs the suite on every core; each test is independent of order and process.
+# pytest-xdist runs the suite in parallel, each test independent of order and process: one
+# worker more than the cores, since many tests wait on the processes they start, and idle
+# workers take tests from busy ones (worksteal).
+WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 
 # Each verify run tags its records with a run id; the report counts only the latest run.
 verify: $(VENV)/.installed
