@@ -34,6 +34,7 @@ import torch
 from octlm import records
 from octlm.attention import implementation
 from octlm.attention.tiled.options import DEFAULT_BLOCK
+from octlm.lab.bench import suites
 from octlm.lab.bench.timing import Timing, time_calls
 from octlm.model import KVCache, ModelConfig, OctLM
 from octlm.signals import run_stoppable
@@ -283,13 +284,9 @@ def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m`` this module: the same program as ``octlm bench`` with this suite."""
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m octlm.lab.bench.decode", description=__doc__.splitlines()[0]
-    )
-    add_arguments(parser)
-    return execute(parser.parse_args(argv), parser)
+    return suites.run_program(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

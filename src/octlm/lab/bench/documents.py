@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from octlm import records
 from octlm.attention import block_mask, sdpa_attention, tiled_attention
 from octlm.attention.block_masks import document_mod
+from octlm.lab.bench import suites
 from octlm.lab.bench.decode import positive_int
 from octlm.lab.bench.timing import time_calls
 from octlm.signals import run_stoppable
@@ -216,13 +217,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"load average before {load_before}, after {load_after}; wrote {args.output}")
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m`` this module: the same program as ``octlm bench`` with this suite."""
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m octlm.lab.bench.documents", description=__doc__.splitlines()[0]
-    )
-    add_arguments(parser)
-    return execute(parser.parse_args(argv), parser)
+    return suites.run_program(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from octlm import records, signals
 from octlm.attention import ring_attention, tiled_attention
 from octlm.attention.tiled.options import DEFAULT_BLOCK
 from octlm.context_parallel import DEFAULT_LAYOUT, LAYOUTS
-from octlm.lab.bench import guard, memory
+from octlm.lab.bench import guard, memory, suites
 from octlm.lab.bench.suites import DTYPES, MODES
 from octlm.lab.bench.timing import time_calls
 
@@ -260,13 +260,9 @@ def _spec(args: argparse.Namespace, world: int, mode: str, run: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m`` this module: the same program as ``octlm bench`` with this suite."""
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m octlm.lab.bench.ring", description=__doc__.splitlines()[0]
-    )
-    add_arguments(parser)
-    return execute(parser.parse_args(argv), parser)
+    return suites.run_program(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

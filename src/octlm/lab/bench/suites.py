@@ -7,8 +7,10 @@ every grid of the chosen suite.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from dataclasses import asdict, dataclass, fields, replace
+from types import ModuleType
 
 from octlm.attention.tiled.options import DEFAULT_BLOCK
 
@@ -332,3 +334,14 @@ def _check(grid: Grid) -> None:
         raise ValueError(f"repeats (--repeats) must be >= 1, got {grid.repeats}")
     if grid.device.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"device (--device) must be cpu or cuda, got {grid.device!r}")
+
+
+def run_program(module: ModuleType, argv: list[str] | None = None) -> int:
+    """A program suite's module run on its own (``python -m``): the program ``octlm bench``
+    runs for that suite, its options from the module's ``add_arguments``."""
+    name = module.__spec__.name if module.__spec__ else module.__name__  # __main__ under -m
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {name}", description=module.__doc__.splitlines()[0]
+    )
+    module.add_arguments(parser)
+    return module.execute(parser.parse_args(argv), parser)

@@ -31,6 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from octlm import records
+from octlm.lab.bench import suites
 from octlm.lab.bench.decode import positive_int
 from octlm.lab.bench.timing import time_calls
 from octlm.model import OctLM
@@ -356,13 +357,9 @@ def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m`` this module: the same program as ``octlm bench`` with this suite."""
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m octlm.lab.bench.training", description=__doc__.splitlines()[0]
-    )
-    add_arguments(parser)
-    return execute(parser.parse_args(argv), parser)
+    return suites.run_program(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
