@@ -236,3 +236,19 @@ def test_strided_inputs_are_read_in_place_and_exact(whole_calls):
     assert not (query.is_contiguous() or key.is_contiguous() or value.is_contiguous())
     check(query, key, value, options={"window": 30, "document_ids": documents(2, 70)})
     assert whole_calls == {"forward": 1, "backward": 1}
+
+
+def test_an_output_gradient_in_the_models_layout_gives_the_same_gradients(whole_calls):
+    """A model hands back the output's gradient as a ``(B, Q, H, D)`` tensor seen as ``(B, H,
+    Q, D)``: its strides change no bit of the gradients."""
+    query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=40, requires_grad=True)
+    options = {"document_ids": documents(2, 40)}
+    grad_out = torch.randn(2, 40, 4, 32).transpose(1, 2)  # (B, H, Q, D) of (B, Q, H, D)
+    assert not grad_out.is_contiguous()
+    grads = []
+    for grad in (grad_out, grad_out.contiguous()):
+        out = tiled_attention(query, key, value, **options)
+        grads.append(torch.autograd.grad(out, (query, key, value), grad))
+    for strided, dense in zip(*grads, strict=True):
+        assert torch.equal(strided, dense)
+    assert whole_calls == {"forward": 2, "backward": 2}

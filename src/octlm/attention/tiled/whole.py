@@ -3,7 +3,8 @@
 When a call's scores fit in one tile (:func:`fits_whole`), the block walk has nothing to skip
 that pays for its bookkeeping: its per-tile masks, edge biases and query blocks cost more than
 the scores they save. Here each head's scores are one tile instead. The rules (causal, window,
-padding, documents, a bool mask) become one bias of ``0`` and ``-inf``, built once; each row's
+padding, documents, a bool mask) become a bias of ``0`` and ``-inf``, built by each piece from
+small parts, so no ``(B, Q, K)`` tensor is formed on one thread; each row's
 shift is its exact maximum (the sink's logit included), so the online softmax degenerates to
 one ``(shift, total)`` per row; and the backward forms the scores again with the very
 operations of the forward, so its probabilities are the forward's bit for bit.
@@ -65,8 +66,8 @@ class _Call:
     queries: Tensor  # (B, Hkv, G*Q, D), scale * unit * query
     keys: Tensor  # (B, Hkv, K, D)
     values: Tensor  # (B, Hkv, K, D)
-    hidden: Tensor | None  # bool (B|1, H|1, Q, K): places no row may see
-    bias: Tensor | None  # (B|1, H|1, Q, K) in units: the float mask, -inf where hidden
+    rules: _Visibility  # what each row may see, built per piece
+    bias: Tensor | None  # (b, h, q, k) in units: the float mask
     mask: Tensor | None  # the float mask (b, h, q, k) as given, for the careful fills
     slopes: Tensor | None  # (B|1, H) in units, times -1: ALiBi's bias is slopes * distance
     sinks: Tensor | None  # (H,) in units
@@ -95,6 +96,43 @@ class _Call:
         dense = dense[b if dense.shape[0] > 1 else 0]
         return dense[self.heads(kv)] if dense.shape[0] > 1 else dense
 
+    def visible(self, b: int, kv: slice) -> Tensor | None:
+        """Bool ``(n*G|1, Q, K)``: where the piece's rows may see a key; None if everywhere."""
+        rules, visible = self.rules, self.rules.shared  # (Q, K)
+        if rules.present is not None:
+            visible = _both(visible, rules.present[b])  # (1, K)
+        if rules.documents is not None:
+            query_documents, key_documents = rules.documents
+            visible = _both(visible, query_documents[b, :, None] == key_documents[b])  # (Q, K)
+        if rules.allowed is not None:
+            visible = _both(visible, self.part(rules.allowed, b, kv))  # (n*G|1, Q, K)
+        return visible
+
+    def bias_of(self, b: int, kv: slice, visible: Tensor | None) -> Tensor | None:
+        """The piece's ``(n*G|1, Q, K)`` term in units: the float mask, ``-inf`` where hidden.
+        Adding ``0`` leaves a score as it is and adding ``-inf`` hides it, at a fraction of a
+        masked fill's cost; scores that are not finite are hidden by fills (``careful``)."""
+        bias = self.part(self.bias, b, kv)
+        if visible is None:
+            return bias
+        kept = self.queries.new_zeros(()) if bias is None else bias
+        return torch.where(visible, kept, NEG_INF)
+
+
+@dataclass
+class _Visibility:
+    """The rules as the parts a piece's visibility is built from, none of them ``(B, Q, K)``:
+    one dense bias for the whole call costs more to build than the scores it hides."""
+
+    shared: Tensor | None  # bool (Q, K): what causal and the window let every row see
+    present: Tensor | None  # bool (B, 1, K): the keys within each element's padding bounds
+    documents: tuple[Tensor, Tensor] | None  # query ids (B, Q), key ids (B, K)
+    allowed: Tensor | None  # a bool mask as (b, h, q, k)
+
+
+def _both(visible: Tensor | None, part: Tensor) -> Tensor:
+    return part if visible is None else visible & part
+
 
 def _call(query, key, value, rules: Rules, units: Units, careful: bool) -> _Call:
     batch, heads, q_len, head_size = query.shape
@@ -106,17 +144,11 @@ def _call(query, key, value, rules: Rules, units: Units, careful: bool) -> _Call
         queries.copy_(query)
     else:
         torch.mul(query.to(dtype), scale, out=queries)
-    hidden = _hidden(rules, q_len, k_len, query.device)  # (B|1, H|1, Q, K)
     mask = rules.mask if rules.mask is not None and rules.mask.is_floating_point() else None
     bias = None
     if mask is not None:
         mask = as_4d(mask)  # (b, h, q, k)
         bias = mask.to(dtype) if units.unit == 1.0 else mask.to(dtype) * units.unit
-    if hidden is not None:
-        # Adding 0 leaves a score as it is and adding -inf hides it, at a fraction of a masked
-        # fill's cost; scores that are not finite are hidden by fills (``careful``).
-        bias = torch.zeros((), dtype=dtype, device=query.device) if bias is None else bias
-        bias = bias.masked_fill(hidden, NEG_INF)
     slopes = far = None
     if rules.alibi_slopes is not None:
         slopes = (rules.alibi_slopes.to(dtype) * -units.unit).view(-1, heads)  # (B|1, H)
@@ -126,29 +158,20 @@ def _call(query, key, value, rules: Rules, units: Units, careful: bool) -> _Call
         queries.view(batch, kv_heads, -1, head_size),
         key.to(dtype),  # any strides: a KV cache's view of its buffer is not copied
         value.to(dtype),
-        hidden, bias, mask, slopes, sinks, far, heads // kv_heads, units, careful,
+        _visibility(rules, q_len, k_len, query.device), bias, mask, slopes, sinks, far,
+        heads // kv_heads, units, careful,
     )  # fmt: skip
 
 
-def _hidden(rules: Rules, q_len: int, k_len: int, device) -> Tensor | None:
-    """Bool ``(B|1, H|1, Q, K)``, True where the rules hide a key from a row; None if none."""
-    visible = None
+def _visibility(rules: Rules, q_len: int, k_len: int, device) -> _Visibility:
+    shared = present = allowed_by_mask = None
     if rules.causal or rules.window:
-        visible = allowed(
-            range(q_len), range(k_len), rules.past, rules.causal, rules.window, device
-        )
-        visible = visible[None, None]  # (1, 1, Q, K)
+        shared = allowed(range(q_len), range(k_len), rules.past, rules.causal, rules.window, device)
     if rules.key_lengths is not None or rules.key_starts is not None:
-        present = padding_mask(rules.key_lengths, range(k_len), rules.key_starts)  # (B, 1, 1, K)
-        visible = present if visible is None else visible & present
-    if rules.documents is not None:
-        query_documents, key_documents = rules.documents
-        same = query_documents[:, None, :, None] == key_documents[:, None, None, :]  # (B,1,Q,K)
-        visible = same if visible is None else visible & same
+        present = padding_mask(rules.key_lengths, range(k_len), rules.key_starts)[:, 0]
     if rules.mask is not None and rules.mask.dtype == torch.bool:
-        mask = as_4d(rules.mask)  # (b, h, q, k)
-        visible = mask if visible is None else visible & mask
-    return None if visible is None else ~visible
+        allowed_by_mask = as_4d(rules.mask)  # (b, h, q, k)
+    return _Visibility(shared, present, rules.documents, allowed_by_mask)
 
 
 def _scores(call: _Call, b: int, kv: slice, softcap: float | None) -> tuple[Tensor, Tensor | None]:
@@ -166,14 +189,15 @@ def _scores(call: _Call, b: int, kv: slice, softcap: float | None) -> tuple[Tens
     if call.slopes is not None:  # -slope * distance, added in units
         slopes = call.part(call.slopes, b, kv)  # (n*G,)
         scores.addcmul_(slopes[:, None, None], call.far)
-    bias = call.part(call.bias, b, kv)  # (n*G|1, Q, K)
+    visible = call.visible(b, kv)  # (n*G|1, Q, K)
+    bias = call.bias_of(b, kv, visible)  # (n*G|1, Q, K)
     if bias is not None:
         scores.add_(bias)  # the float mask, then the hidden places
     if call.careful:  # NaN + -inf is NaN: hide what the mask and the rules hide
         if call.mask is not None:
             scores.masked_fill_(call.part(call.mask, b, kv) == NEG_INF, NEG_INF)
-        if call.hidden is not None:
-            scores.masked_fill_(call.part(call.hidden, b, kv), NEG_INF)
+        if visible is not None:
+            scores.masked_fill_(~visible, NEG_INF)
     return scores, tanh
 
 
@@ -188,15 +212,17 @@ def whole_forward(
     where a NaN shows is the call run again with the care that keeps a hidden NaN or infinity
     out of the rows that cannot see it.
     """
-    out, rows = _forward(query, key, value, rules, careful=False)
-    if bool(out.isnan().any()):
-        out, rows = _forward(query, key, value, rules, careful=True)
+    out, rows, broken = _forward(query, key, value, rules, careful=False)
+    if broken:
+        out, rows, _ = _forward(query, key, value, rules, careful=True)
     return out, rows
 
 
 def _forward(
     query: Tensor, key: Tensor, value: Tensor, rules: Rules, *, careful: bool
-) -> tuple[Tensor, RowStats]:
+) -> tuple[Tensor, RowStats, bool]:
+    """Output, row statistics, and whether a NaN shows in the output (each piece looks at
+    its own part while it is in cache)."""
     units = Units.choose(rules)
     call = _call(query, key, value, rules, units, careful)
     values = call.values  # (B, Hkv, K, D)
@@ -206,7 +232,7 @@ def _forward(
     shift = call.queries.new_empty(query.shape[:-1])  # (B, H, Q)
     total = torch.empty_like(shift)  # (B, H, Q)
 
-    def attend(piece: tuple[int, slice]) -> None:
+    def attend(piece: tuple[int, slice]) -> Tensor:
         b, kv = piece
         heads = call.heads(kv)
         scores, _ = _scores(call, b, kv, rules.softcap)  # (n*G, Q, K)
@@ -230,9 +256,10 @@ def _forward(
         if careful:
             _poisoned(part, visible, call.values[b, kv])  # in place
         shift[b, heads], total[b, heads] = top[..., 0], summed[..., 0]
+        return part.isnan().any()
 
-    parallel_map(attend, call.pieces(), query.device)
-    return out, RowStats(shift, total, units, careful, whole=True)
+    broken = parallel_map(attend, call.pieces(), query.device)
+    return out, RowStats(shift, total, units, careful, whole=True), bool(torch.stack(broken).any())
 
 
 def _poisoned(out: Tensor, visible: Tensor, values: Tensor) -> Tensor:
@@ -275,9 +302,7 @@ def whole_backward(
     dtype = call.queries.dtype
     group = call.group
     inverse = torch.where(rows.total > 0, 1.0 / rows.total, 0.0).to(dtype)  # (B, H, Q)
-    grad_rows = grad_out.new_empty(grad_out.shape, dtype=dtype)  # (B, H, Q, D)
-    torch.mul(grad_out.to(dtype), inverse[..., None], out=grad_rows)
-    grad_rows = grad_rows.view(call.queries.shape)  # (B, Hkv, G*Q, D)
+    grad_out = grad_out.to(dtype)  # (B, H, Q, D)
     delta = delta.to(dtype) * inverse  # (B, H, Q)
     shift = rows.shift.to(dtype)  # (B, H, Q)
     keys, values = call.keys, call.values
@@ -294,10 +319,16 @@ def whole_backward(
         heads, count = call.heads(kv), kv.stop - kv.start
         scores, tanh = _scores(call, b, kv, rules.softcap)  # (n*G, Q, K)
         q_len, k_len = scores.shape[1:]
+        grad_rows = call.queries.new_empty(call.queries[b, kv].shape)  # (n, G*Q, D)
+        torch.mul(
+            grad_out[b, heads],
+            inverse[b, heads, :, None],
+            out=grad_rows.view(-1, q_len, grad_rows.shape[2]),
+        )
         probs = call.units.exp_(scores.sub_(shift[b, heads, :, None]))  # times total
         flat = probs.view(count, -1, k_len)  # (n, G*Q, K)
-        torch.bmm(flat.transpose(1, 2), grad_rows[b, kv], out=grad_value[b, kv])  # (n, K, D)
-        grad_scores = torch.bmm(grad_rows[b, kv], values[b, kv].transpose(1, 2))  # (n, G*Q, K)
+        torch.bmm(flat.transpose(1, 2), grad_rows, out=grad_value[b, kv])  # (n, K, D)
+        grad_scores = torch.bmm(grad_rows, values[b, kv].transpose(1, 2))  # (n, G*Q, K)
         grad_scores = grad_scores.view(probs.shape)  # (n*G, Q, K)
         grad_scores.sub_(delta[b, heads, :, None]).mul_(probs)  # d loss / d scores
         by_group = (count, group, q_len)
