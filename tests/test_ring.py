@@ -228,29 +228,22 @@ def ring_results(request, tmp_path_factory) -> list[dict]:
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-def _assert_passed(ring_results: list[dict], check: str) -> None:
+# Each check the workers run, by the name they record it under.
+CHECKS = (
+    [f"attention/{name}" for name in ATTENTION_CASES]
+    + [f"structure/{name}" for name in STRUCTURE_CASES]
+    + [f"model/window{window}" for window in MODEL_WINDOWS]
+    + [f"error/{case}" for case in ERROR_CASES]
+)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_every_rank_passes_the_check(ring_results, check):
+    """attention/ and structure/ (documents, modifiers): ring attention matches the reference;
+    model/: the context-parallel model matches one process; error/: a bad or mismatched call
+    raises on every rank."""
     failures = {rank: r[check] for rank, r in enumerate(ring_results) if r[check] is not None}
     assert not failures, f"{check}: {failures}"
-
-
-@pytest.mark.parametrize("case", ATTENTION_CASES)
-def test_ring_attention_matches_reference(ring_results, case):
-    _assert_passed(ring_results, f"attention/{case}")
-
-
-@pytest.mark.parametrize("case", STRUCTURE_CASES)
-def test_ring_attention_with_documents_and_modifiers_matches_reference(ring_results, case):
-    _assert_passed(ring_results, f"structure/{case}")
-
-
-@pytest.mark.parametrize("window", MODEL_WINDOWS)
-def test_context_parallel_model_matches_single_process(ring_results, window):
-    _assert_passed(ring_results, f"model/window{window}")
-
-
-@pytest.mark.parametrize("case", ERROR_CASES)
-def test_bad_or_mismatched_calls_raise_on_every_rank(ring_results, case):
-    _assert_passed(ring_results, f"error/{case}")
 
 
 def test_ring_attention_without_process_group_raises():

@@ -39,6 +39,7 @@ try:
 except ImportError as error:
     raise ImportError("writing a GGUF file needs gguf: pip install 'octlm[export]'") from error
 
+from octlm.integrations.llama_format import renamed
 from octlm.tokenizer import BYTE_VOCAB, END_OF_TEXT, byte_symbols
 
 ARCHITECTURE = "llama"
@@ -95,17 +96,10 @@ def rotate_half_order(rows: Tensor, heads: int) -> Tensor:
 def gguf_tensors(config, state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """``state`` under llama.cpp's names: ``qkv`` split, q and k interleaved; matrices in
     ``dtype``, the 1-D norm weights in float32."""
-    size = config.head_size
-    rows = (config.n_heads * size, config.n_kv_heads * size, config.n_kv_heads * size)
-    tensors = {theirs: state[ours] for ours, theirs in MODEL_TENSORS.items() if ours in state}
+    tensors = renamed(config, state, MODEL_TENSORS, LAYER_TENSORS, PROJECTIONS, "blk.{}.")
     for layer in range(config.n_layers):
-        ours, theirs = f"blocks.{layer}.", f"blk.{layer}."
-        for name, their_name in LAYER_TENSORS.items():
-            tensors[theirs + their_name] = state[ours + name]
-        query, key, value = state[ours + "attention.qkv.weight"].split(rows)  # (H*D, C), ...
-        tensors[theirs + PROJECTIONS[0]] = interleave(query, config.n_heads)
-        tensors[theirs + PROJECTIONS[1]] = interleave(key, config.n_kv_heads)
-        tensors[theirs + PROJECTIONS[2]] = value
+        for name, heads in zip(PROJECTIONS[:2], (config.n_heads, config.n_kv_heads), strict=True):
+            tensors[f"blk.{layer}.{name}"] = interleave(tensors[f"blk.{layer}.{name}"], heads)
     return {
         name: tensor.detach().cpu().to(dtype if tensor.dim() > 1 else torch.float32).contiguous()
         for name, tensor in tensors.items()

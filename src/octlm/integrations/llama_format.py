@@ -110,17 +110,28 @@ def llama_config(config, dtype: torch.dtype, end_token: int | None = None) -> di
     return values | {"attention_bias": False, "mlp_bias": False}
 
 
-def llama_tensors(config, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``state`` under transformers' names, ``qkv`` split into its three projections."""
+def renamed(
+    config, state: dict[str, Tensor], names: dict, layer_names: dict, projections: tuple, layer: str
+) -> dict[str, Tensor]:
+    """``state`` under another format's names: ``names`` for the whole model's tensors,
+    ``layer_names`` for each layer's (``blocks.N.`` becoming ``layer.format(N)``), and ``qkv``
+    split into the three ``projections``. The GGUF writer shares it."""
     size = config.head_size
     rows = (config.n_heads * size, config.n_kv_heads * size, config.n_kv_heads * size)
-    tensors = {theirs: state[ours] for ours, theirs in MODEL_WEIGHTS.items() if ours in state}
-    for layer in range(config.n_layers):
-        ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
-        for name, their_name in LAYER_WEIGHTS.items():
+    tensors = {theirs: state[ours] for ours, theirs in names.items() if ours in state}
+    for index in range(config.n_layers):
+        ours, theirs = f"blocks.{index}.", layer.format(index)
+        for name, their_name in layer_names.items():
             tensors[theirs + their_name] = state[ours + name]
         parts = state[ours + "attention.qkv.weight"].split(rows)  # (H*D, C), (Hkv*D, C) x 2
-        tensors |= {theirs + name: part for name, part in zip(PROJECTIONS, parts, strict=True)}
+        tensors |= {theirs + name: part for name, part in zip(projections, parts, strict=True)}
+    return tensors
+
+
+def llama_tensors(config, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` under transformers' names, ``qkv`` split into its three projections."""
+    layer = "model.layers.{}."
+    tensors = renamed(config, state, MODEL_WEIGHTS, LAYER_WEIGHTS, PROJECTIONS, layer)
     # safetensors stores each tensor on its own: no views into a shared buffer
     return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
 

@@ -121,17 +121,7 @@ def _loop(
     ``log_every`` steps, checkpoints and evaluations at theirs and at the end."""
     run, cluster, folder, stopwatch = state.run, state.cluster, state.folder, state.stopwatch
     metrics = Metrics(folder, cluster.device, enabled=cluster.is_main)
-    start = 0
-    if resume:
-        start = state.restore()
-        _check_more_to_do(run, folder, start, stopwatch.elapsed)
-        metrics.forget_after(start)
-    state.launch()
-    stop.defer()  # from here a signal ends the run after a step, with a checkpoint
-    if cluster.is_main:
-        if not resume:  # everything before the first step worked: the folder is now a run
-            run_folder.begun(folder, state.model_config, run)
-        _announce(summary, state.model_config, run, cluster, start, chosen)
+    start = _begin(state, metrics, summary, resume, stop, chosen)
     bar = tqdm(
         total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
     )
@@ -176,21 +166,7 @@ def _loop(
         ending = (step == run.steps or spent) and evaluated != step - 1
         if step % run.eval_every == 0 or ending:
             train_loss = cluster.total(loss).item() if train_loss is None else train_loss
-            last_eval, evaluated = state.evaluate(), step
-            metrics.write(
-                "eval",
-                step=step,
-                loss=train_loss,
-                **last_eval._asdict(),
-                train_seconds=stopwatch.elapsed,
-            )
-            if cluster.is_main:
-                bar.write(
-                    f"step {step}: val loss {last_eval.val_loss:.4f} nats per token, "
-                    f"{last_eval.val_bits_per_byte:.3f} bits per byte\n"
-                    f"  sample: {last_eval.sample!r}"
-                )
-                plot(folder)
+            last_eval, evaluated = _evaluate(state, metrics, bar, step, train_loss), step
             began, tokens_seen = time.perf_counter(), 0  # evaluation is not training time
         if signalled or spent:
             if not spent and step != run.steps:  # a signal in the last step ends nothing early
@@ -201,6 +177,47 @@ def _loop(
         print(f"stopped by {stopped_by} after step {step}; continue with --resume")
     val_loss, val_bits_per_byte, _sample = last_eval or (None, None, None)
     return Outcome(folder, step, val_loss, val_bits_per_byte, evaluated, stopped_by, cluster.rank)
+
+
+def _begin(
+    state: Training, metrics: Metrics, summary: dict, resume: bool, stop: signals.Stop, chosen: bool
+) -> int:
+    """Restore a resumed run and launch the model, then defer signals to the end of a step and
+    announce the run; the step it starts after."""
+    start = 0
+    if resume:
+        start = state.restore()
+        _check_more_to_do(state.run, state.folder, start, state.stopwatch.elapsed)
+        metrics.forget_after(start)
+    state.launch()
+    stop.defer()  # from here a signal ends the run after a step, with a checkpoint
+    if state.cluster.is_main:
+        if not resume:  # everything before the first step worked: the folder is now a run
+            run_folder.begun(state.folder, state.model_config, state.run)
+        _announce(summary, state.model_config, state.run, state.cluster, start, chosen)
+    return start
+
+
+def _evaluate(
+    state: Training, metrics: Metrics, bar: tqdm, step: int, train_loss: float
+) -> Evaluation:
+    """Evaluate after ``step``: its record, a line under the progress bar, the loss picture."""
+    evaluation = state.evaluate()
+    metrics.write(
+        "eval",
+        step=step,
+        loss=train_loss,
+        **evaluation._asdict(),
+        train_seconds=state.stopwatch.elapsed,
+    )
+    if state.cluster.is_main:
+        bar.write(
+            f"step {step}: val loss {evaluation.val_loss:.4f} nats per token, "
+            f"{evaluation.val_bits_per_byte:.3f} bits per byte\n"
+            f"  sample: {evaluation.sample!r}"
+        )
+        plot(state.folder)
+    return evaluation
 
 
 def _budget(run: RunConfig, stopwatch: Stopwatch) -> dict[str, str]:

@@ -83,6 +83,24 @@ def _key_range(start_m, past, k_lo, k_hi, window, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @_jit
+def _row_keys(
+    DOCS, batch, stride_db, start_m, past, k_lo, k_hi, k_len, window, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOCUMENTS: tl.constexpr,
+):  # fmt: skip
+    """:func:`_key_range` of rows ``start_m ..``, narrowed with ``DOCUMENTS`` to the span of
+    the rows' documents (row ``i`` is in the document of key ``past + i``); and those documents
+    ``(BLOCK_M,)``, zeros without ``DOCUMENTS``."""
+    lo, hi = _key_range(start_m, past, k_lo, k_hi, window, BLOCK_M, BLOCK_N, CAUSAL)
+    row_docs = tl.zeros([BLOCK_M], tl.int32)
+    if DOCUMENTS:
+        row_docs, low, high = _document_span(DOCS, batch, stride_db, past + start_m, k_len,
+                                             BLOCK_M)  # fmt: skip
+        lo = tl.maximum(lo, low // BLOCK_N * BLOCK_N)
+        hi = tl.minimum(hi, high)
+    return lo, hi, row_docs
+
+
+@_jit
 def _query_range(start_n, past, q_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr):  # fmt: skip
     """Rows ``[lo, hi)`` that may see any key of ``start_n .. start_n + BLOCK_N - 1``."""
@@ -144,6 +162,30 @@ def _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_h
 
 
 @_jit
+def _row_tile(
+    q, k_base, v_base, stride_kl, stride_vl, start_n, rows, dims, dim_ok, past, k_lo, k_hi, k_len,
+    window, scale, softcap, slope, DOCS, batch, stride_db, row_docs, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+):  # fmt: skip
+    """The key block at ``start_n`` for query rows ``rows``: its keys ``(N,)``, key and value
+    rows ``(N, D)``, and the rows' base-2 scores ``(M, N)``, -inf where a row may not see a key,
+    with their tanh. One function for the forward and the query gradient, so that the backward
+    forms each score as the forward did."""
+    cols = start_n + tl.arange(0, BLOCK_N)  # (N,) keys
+    k, v = _key_value_block(k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_hi, dim_ok)
+    products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
+    position = past + rows[:, None]  # (M, 1)
+    scores, tanh = _scores(products, position, cols[None, :], scale, softcap, slope,
+                           SOFTCAP, ALIBI)  # fmt: skip
+    visible = _visible(position, cols[None, :], k_lo, k_hi, window, CAUSAL)  # (M, N)
+    if DOCUMENTS:
+        key_docs, _, _ = _document_span(DOCS, batch, stride_db, start_n, k_len, BLOCK_N)
+        visible = visible & (row_docs[:, None] == key_docs[None, :])
+    return cols, k, v, tl.where(visible, scores, float("-inf")), tanh
+
+
+@_jit
 def _forward_kernel(
     Q, K, V, O, LSE, SHIFT, TOTAL, DOCS, BOUNDS, SLOPES, SINKS,
     stride_qb, stride_qh, stride_ql,
@@ -180,26 +222,14 @@ def _forward_kernel(
     running_sum = tl.zeros([BLOCK_M], tl.float32)  # (M,) sum of exp2(score - running_max)
     acc = tl.zeros([BLOCK_M, HEAD_BLOCK], tl.float32)  # (M, D) unnormalised output
 
-    lo, hi = _key_range(start_m, past, k_lo, k_hi, window, BLOCK_M, BLOCK_N, CAUSAL)
-    if DOCUMENTS:  # row i is in the document of key past + i; keys outside them are skipped
-        row_docs, low, high = _document_span(DOCS, batch, stride_db, past + start_m, k_len,
-                                             BLOCK_M)  # fmt: skip
-        lo = tl.maximum(lo, low // BLOCK_N * BLOCK_N)
-        hi = tl.minimum(hi, high)
+    lo, hi, row_docs = _row_keys(DOCS, batch, stride_db, start_m, past, k_lo, k_hi, k_len,
+                                 window, BLOCK_M, BLOCK_N, CAUSAL, DOCUMENTS)  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)  # (N,) keys
-        k, v = _key_value_block(
-            k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_hi, dim_ok
-        )
-        products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
-        position = past + rows[:, None]  # (M, 1)
-        scores, _ = _scores(products, position, cols[None, :], scale, softcap, slope,
-                            SOFTCAP, ALIBI)  # fmt: skip
-        visible = _visible(position, cols[None, :], k_lo, k_hi, window, CAUSAL)  # (M, N)
-        if DOCUMENTS:
-            key_docs, _, _ = _document_span(DOCS, batch, stride_db, start_n, k_len, BLOCK_N)
-            visible = visible & (row_docs[:, None] == key_docs[None, :])
-        scores = tl.where(visible, scores, float("-inf"))
+        _, _, v, scores, _ = _row_tile(
+            q, k_base, v_base, stride_kl, stride_vl, start_n, rows, dims, dim_ok, past, k_lo, k_hi,
+            k_len, window, scale, softcap, slope, DOCS, batch, stride_db, row_docs, BLOCK_N,
+            CAUSAL, PRECISION, DOCUMENTS, SOFTCAP, ALIBI,
+        )  # fmt: skip
         block_max = tl.maximum(running_max, tl.max(scores, 1))  # (M,)
         # A row that has seen nothing yet keeps max -inf; shifting by 0 there makes its
         # weights exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
@@ -355,31 +385,19 @@ def _query_grad_kernel(
     grad_query = tl.zeros([BLOCK_M, HEAD_BLOCK], tl.float32)  # (M, D), per unit of scores
     grad_slope = tl.zeros([BLOCK_M], tl.float32)  # (M,) -sum of dS * distance, per row
 
-    lo, hi = _key_range(start_m, past, k_lo, k_hi, window, BLOCK_M, BLOCK_N, CAUSAL)
-    if DOCUMENTS:  # row i is in the document of key past + i; keys outside them are skipped
-        row_docs, low, high = _document_span(DOCS, batch, stride_db, past + start_m, k_len,
-                                             BLOCK_M)  # fmt: skip
-        lo = tl.maximum(lo, low // BLOCK_N * BLOCK_N)
-        hi = tl.minimum(hi, high)
+    lo, hi, row_docs = _row_keys(DOCS, batch, stride_db, start_m, past, k_lo, k_hi, k_len,
+                                 window, BLOCK_M, BLOCK_N, CAUSAL, DOCUMENTS)  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)  # (N,)
-        k, v = _key_value_block(
-            k_base, v_base, stride_kl, stride_vl, cols, dims, k_lo, k_hi, dim_ok
-        )
-        products = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
-        position = past + rows[:, None]  # (M, 1)
-        scores, tanh = _scores(products, position, cols[None, :], scale, softcap, slope,
-                               SOFTCAP, ALIBI)  # fmt: skip
-        visible = _visible(position, cols[None, :], k_lo, k_hi, window, CAUSAL)  # (M, N)
-        if DOCUMENTS:
-            key_docs, _, _ = _document_span(DOCS, batch, stride_db, start_n, k_len, BLOCK_N)
-            visible = visible & (row_docs[:, None] == key_docs[None, :])
-        scores = tl.where(visible, scores, float("-inf"))
+        cols, k, v, scores, tanh = _row_tile(
+            q, k_base, v_base, stride_kl, stride_vl, start_n, rows, dims, dim_ok, past, k_lo, k_hi,
+            k_len, window, scale, softcap, slope, DOCS, batch, stride_db, row_docs, BLOCK_N,
+            CAUSAL, PRECISION, DOCUMENTS, SOFTCAP, ALIBI,
+        )  # fmt: skip
         probs = tl.exp2(scores - shift[:, None]) * inverse[:, None]  # (M, N), as the forward's
         grad_probs = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)  # (M, N)
         grad_scores = probs * (grad_probs - delta[:, None])  # (M, N)
         if SLOPE_GRAD:  # the bias is -slope * distance
-            distance = tl.abs(position - cols[None, :]).to(tl.float32)  # (M, N)
+            distance = tl.abs(past + rows[:, None] - cols[None, :]).to(tl.float32)  # (M, N)
             grad_slope -= tl.sum(grad_scores * distance, 1)
         if SOFTCAP:  # through the cap: d tanh = 1 - tanh²
             grad_scores = grad_scores * (1.0 - tanh * tanh)
