@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import fcntl
+import os
+import shutil
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +145,26 @@ def implementations_with(feature: str, block=(16, 32)) -> dict:
         for name, impl in IMPLEMENTATIONS.items()
         if feature in impl.features
     }
+
+
+def once_per_session(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder ``name``, filled by ``build(folder)`` once per test session. pytest-xdist
+    workers share it: a spawned process group costs seconds of CPU, and a module-scoped
+    fixture alone would run again in every worker that draws one of the module's tests. The
+    first worker to need the folder builds it while the others wait on its lock; a build that
+    failed leaves no mark of completion, so the next worker builds it again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's folder, above each worker's own
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
 
 
 def spawn(worker, args: tuple, world: int, timeout: float, what: str) -> None:
