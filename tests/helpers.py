@@ -169,8 +169,15 @@ def once_per_session(tmp_path_factory, name: str, build: Callable[[Path], object
 
 def spawn(worker, args: tuple, world: int, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in ``world`` spawned processes and wait for all of them; the
-    test fails, naming ``what``, if they have not finished after ``timeout`` seconds."""
-    context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    test fails, naming ``what``, if they have not finished after ``timeout`` seconds.
+
+    The processes fork from a server that has imported torch, octlm and the worker's module
+    once (forkserver): a fresh interpreter per rank would import them again, seconds of CPU
+    each, and forking the test process itself would copy its threads' state."""
+    mp.set_forkserver_preload(["tests.helpers", worker.__module__])
+    context = mp.start_processes(
+        worker, args=args, nprocs=world, join=False, start_method="forkserver"
+    )  # fmt: skip
     deadline = time.monotonic() + timeout
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
