@@ -18,6 +18,16 @@ def pytest_configure(config):
     on a run need it to arrive. A handler (unlike "ignored") is reset to the default in a
     spawned program, so its children get Python's own Ctrl-C handling too."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    _one_intra_op_thread()
+
+
+def _one_intra_op_thread() -> None:
+    """The tests in this process run on one intra-op thread, whatever the machine's cores.
+    pytest-xdist already runs more workers than cores, so a second thread per worker only
+    spins and contends for the interpreter lock; results do not depend on the machine; and
+    tests/test_threads.py sets two threads where they are the point. Processes that the
+    tests start keep torch's default."""
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import fcntl
+import os
+import shutil
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,10 +147,37 @@ def implementations_with(feature: str, block=(16, 32)) -> dict:
     }
 
 
+def once_per_session(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder ``name``, filled by ``build(folder)`` once per test session. pytest-xdist
+    workers share it: a spawned process group costs seconds of CPU, and a module-scoped
+    fixture alone would run again in every worker that draws one of the module's tests. The
+    first worker to need the folder builds it while the others wait on its lock; a build that
+    failed leaves no mark of completion, so the next worker builds it again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's folder, above each worker's own
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 def spawn(worker, args: tuple, world: int, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in ``world`` spawned processes and wait for all of them; the
-    test fails, naming ``what``, if they have not finished after ``timeout`` seconds."""
-    context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    test fails, naming ``what``, if they have not finished after ``timeout`` seconds.
+
+    The processes fork from a server that has imported torch, octlm and the worker's module
+    once (forkserver): a fresh interpreter per rank would import them again, seconds of CPU
+    each, and forking the test process itself would copy its threads' state."""
+    mp.set_forkserver_preload(["tests.helpers", worker.__module__])
+    context = mp.start_processes(
+        worker, args=args, nprocs=world, join=False, start_method="forkserver"
+    )  # fmt: skip
     deadline = time.monotonic() + timeout
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

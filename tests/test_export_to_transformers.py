@@ -55,14 +55,18 @@ def reference_logits(model: OctLM, ids: torch.Tensor) -> torch.Tensor:
         return copy.deepcopy(model).double()(ids)  # (B, T, V)
 
 
-@pytest.fixture(scope="module", params=list(WINDOWS))
-def exported(request, tmp_path_factory):
-    """A byte run (two checkpoints) of the architecture ``request.param``, exported at its
-    latest checkpoint: (run folder, its models by step, the exported folder)."""
-    root = tmp_path_factory.mktemp(request.param)
-    models = make_run(root / "run", replace(CONFIG, window=WINDOWS[request.param]))
+def exported_run(root: Path, architecture: str) -> tuple[Path, dict, Path]:
+    """A byte run (two checkpoints) of ``architecture``, exported at its latest checkpoint:
+    (run folder, its models by step, the exported folder)."""
+    models = make_run(root / "run", replace(CONFIG, window=WINDOWS[architecture]))
     export(root / "run", root / "out")
     return root / "run", models, root / "out"
+
+
+@pytest.fixture(scope="module", params=list(WINDOWS))
+def exported(request, tmp_path_factory):
+    """:func:`exported_run` of the architecture ``request.param``."""
+    return exported_run(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -196,26 +200,34 @@ else:
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-folder, output, text = sys.argv[1:]
-model = AutoModelForCausalLM.from_pretrained(folder).eval()
-ids = torch.tensor([AutoTokenizer.from_pretrained(folder)(text)["input_ids"]])
-with torch.no_grad():
-    logits = model(ids).logits
-tokens = model.generate(ids, max_new_tokens=16, do_sample=False)
-torch.save({"ids": ids, "logits": logits, "tokens": tokens}, output)
+text, *pairs = sys.argv[1:]
+for folder, output in zip(pairs[::2], pairs[1::2]):
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(folder)(text)["input_ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=16, do_sample=False)
+    torch.save({"ids": ids, "logits": logits, "tokens": tokens}, output)
 """
 
 
-def test_the_folder_loads_where_octlm_cannot_be_imported(exported, tmp_path):
-    _run, models, out = exported
-    text = TEXTS[1]
+@pytest.fixture(scope="module")
+def read_without_octlm(tmp_path_factory) -> dict:
+    """By architecture: the models of its export by step, and the ids, logits and greedy tokens
+    that a process which cannot import octlm reads from the exported folder. One process reads
+    both architectures, since its imports of torch and transformers cost seconds."""
+    root = tmp_path_factory.mktemp("blocked")
+    runs = {name: exported_run(root / name, name) for name in WINDOWS}
+    pairs = [str(part) for name, run in runs.items() for part in (run[2], root / f"{name}.pt")]
     environment = {**os.environ, "PYTHONPATH": str(SOURCE)}  # octlm is findable, and blocked
-    subprocess.run(
-        [sys.executable, "-c", BLOCKED, str(out), str(tmp_path / "got.pt"), text],
-        check=True,
-        env=environment,
-    )
-    got = torch.load(tmp_path / "got.pt")
+    subprocess.run([sys.executable, "-c", BLOCKED, TEXTS[1], *pairs], check=True, env=environment)
+    return {name: (run[1], torch.load(root / f"{name}.pt")) for name, run in runs.items()}
+
+
+@pytest.mark.parametrize("architecture", list(WINDOWS))
+def test_the_folder_loads_where_octlm_cannot_be_imported(read_without_octlm, architecture):
+    models, got = read_without_octlm[architecture]
+    text = TEXTS[1]
     assert got["ids"][0].tolist() == list(text.encode())
     reference = reference_logits(models[4], got["ids"])
     assert (got["logits"].double() - reference).abs().max().item() <= rope_tolerance(reference)

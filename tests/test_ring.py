@@ -1,6 +1,6 @@
 """Ring attention and context-parallel model equal their single-process counterparts.
 
-Each world size (2 and 4) is one group of gloo processes on this CPU, spawned once per module:
+Each world size (2 and 4) is one group of gloo processes on this CPU, spawned once per session:
 the workers run every check and write one JSON file per rank; the tests below read them. A
 spawn costs seconds, a check milliseconds, so checks are batched rather than spawned apiece.
 """
@@ -29,7 +29,7 @@ from octlm.context_parallel import (
 )
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge, max_abs_diff
 from octlm.model import ModelConfig, OctLM
-from tests.helpers import join_gloo, make_qkv, reference, spawn
+from tests.helpers import join_gloo, make_qkv, once_per_session, reference, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -220,11 +220,15 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
 def ring_results(request, tmp_path_factory) -> list[dict]:
-    """Every rank's ``{check: None or what failed}`` for one world size."""
+    """Every rank's ``{check: None or what failed}`` for one world size, from one group of
+    ranks per test session."""
     world = request.param
-    folder = tmp_path_factory.mktemp(f"ring{world}")
-    args = (world, str(folder / "store"), str(folder))
-    spawn(_worker, args, world, SPAWN_TIMEOUT, f"ring workers (world {world})")
+
+    def run(folder: Path) -> None:
+        args = (world, str(folder / "store"), str(folder))
+        spawn(_worker, args, world, SPAWN_TIMEOUT, f"ring workers (world {world})")
+
+    folder = once_per_session(tmp_path_factory, f"ring{world}", run)
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 

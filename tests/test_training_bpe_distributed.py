@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from octlm.training import resolve, train
-from tests.helpers import trained_on_ranks
+from tests.helpers import once_per_session, trained_on_ranks
 from tests.test_training_bpe import MODEL, RUN, VOCAB, records, write_corpus
 
 pytestmark = pytest.mark.distributed
@@ -42,8 +42,11 @@ def mode_configs(corpus: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """Two ranks' run folders, one per mode, from one tiny corpus."""
-    corpus = write_corpus(tmp_path_factory.mktemp("two-ranks-bpe") / "corpus")
-    return trained_on_ranks(corpus.parent, corpus, __name__, WORLD, SPAWN_TIMEOUT)
+
+    def run(folder: Path) -> None:
+        trained_on_ranks(folder, write_corpus(folder / "corpus"), __name__, WORLD, SPAWN_TIMEOUT)
+
+    return once_per_session(tmp_path_factory, "two-ranks-bpe", run)
 
 
 @pytest.mark.parametrize("mode", MODES)

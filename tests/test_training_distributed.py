@@ -18,7 +18,7 @@ import torch
 
 from octlm import load_run
 from octlm.training import resolve, train
-from tests.helpers import trained_on_ranks
+from tests.helpers import once_per_session, trained_on_ranks
 from tests.training_helpers import TINY_MODEL, TINY_RUN, losses, write_corpus
 
 pytestmark = pytest.mark.distributed
@@ -50,8 +50,11 @@ def mode_configs(corpus: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """A folder with one run folder per mode, trained by 2 gloo ranks."""
-    folder = tmp_path_factory.mktemp("two-ranks")
-    return trained_on_ranks(folder, write_corpus(folder / "corpus"), __name__, WORLD, SPAWN_TIMEOUT)
+
+    def run(folder: Path) -> None:
+        trained_on_ranks(folder, write_corpus(folder / "corpus"), __name__, WORLD, SPAWN_TIMEOUT)
+
+    return once_per_session(tmp_path_factory, "two-ranks", run)
 
 
 @pytest.mark.parametrize("mode", MODES)
