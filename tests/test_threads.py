@@ -154,3 +154,36 @@ def test_a_forked_child_starts_its_own_pool(two_threads):
     assert queue.get(timeout=60) == [2, 4, 6]
     child.join(timeout=60)
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"document_ids": torch.tensor([[0] * 30 + [1] * 50 + [2] * 16, [0] * 70 + [1] * 26])},
+        {"key_lengths": torch.tensor([96, 41]), "window": 24},
+        {"mask": torch.randn(2, 1, 96, 96, generator=torch.Generator().manual_seed(1))},
+    ],
+    ids=["documents", "padding-window", "float-mask"],
+)
+def test_whole_tile_pieces_on_threads_match_the_reference_and_one_thread(two_threads, options):
+    """A call computed whole (one tile per head) hands its pieces, each building its own part
+    of the rules, to two threads: output and gradients are judged against the float64
+    reference, and are the single-threaded run's to the last bit (a piece's work does not
+    depend on the thread that runs it)."""
+    inputs = make_qkv(batch=2, heads=4, kv_heads=2, q_len=96, head_size=16)
+    grad_out = torch.randn(inputs[0].shape, dtype=torch.float64)
+
+    def run(function, tensors):
+        leaves = [x.detach().clone().requires_grad_() for x in tensors]
+        out = function(*leaves, **options)
+        out.backward(grad_out.to(out.dtype))
+        return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+    threaded = run(tiled_attention, inputs)
+    base = run(naive_attention, inputs)
+    golden = run(reference, [x.double() for x in inputs])
+    for factor, t, b, g in zip((2.0, 3.0, 3.0, 3.0), threaded, base, golden, strict=True):
+        assert_judged(t, b, g, factor=factor)
+    torch.set_num_threads(1)
+    for t, alone in zip(threaded, run(tiled_attention, inputs), strict=True):
+        assert torch.equal(t, alone)
