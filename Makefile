@@ -43,8 +43,9 @@ report: $(VENV)/.installed
 	$(PY) -m octlm report --output $(RUNS)/report.md $(RUNS)/*.jsonl
 
 # The reference figures README quotes: every CPU suite, the whole baseline grid and the
-# training grid in three rounds, and FLASH against tiled beside a competing process (--busy).
-# About an hour on 2 cores; the last line writes the committed runs/report.md.
+# training grid in three rounds, FLASH against tiled beside a competing process (--busy), ring
+# attention, decoding and packed documents. About 1 h 25 min on 2 cores (docs/benchmarks.md);
+# the last line writes the committed runs/report.md.
 reference: $(VENV)/.installed
 	$(PY) -m octlm verify --out runs
 	$(PY) -m octlm bench reference --resume --rounds 3 \
@@ -58,6 +59,8 @@ reference: $(VENV)/.installed
 		--output runs/bench-contention-cpu.jsonl
 	$(PY) -m octlm.lab.bench.ring
 	$(PY) -m octlm.lab.bench.ring --length 32768 --repeats 2
+	$(PY) -m octlm bench decode
+	$(PY) -m octlm bench documents
 	$(PY) -m octlm report --output runs/report.md
 
 lint: $(VENV)/.installed

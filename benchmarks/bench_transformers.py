@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode", type=int, default=32, help="tokens decoded after prefill")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
-    parser.add_argument("--output", default="runs/2026-11-30-transformers.jsonl")
+    parser.add_argument("--output", default="runs/checks/bench-transformers.jsonl")
     parser.add_argument("--summary", action="store_true", help="only print medians of --output")
     parser.add_argument("--worker", nargs=3, metavar=("ATTN", "LENGTH", "DECODE"),
                         help=argparse.SUPPRESS)  # fmt: skip

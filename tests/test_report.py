@@ -294,16 +294,22 @@ def test_equivalence_and_ring_sections_come_from_their_records(tmp_path):
     assert duration(ring_row["Time"]) == 0.5 and ring_row["Length"] == f"{first['length']:,}"
 
 
-def test_committed_records_without_a_kind_are_read_with_the_kind_they_imply():
-    """The reference records in runs/ predate kinds: every line must still be read."""
+def test_committed_records_without_a_kind_are_read_with_the_kind_they_imply(tmp_path):
+    """Records written before kinds existed are still read: the committed benchmark, ring and
+    verify records with their ``kind`` taken out come back with the kind they had, and every
+    committed line is read."""
     paths = sorted([*RUNS.glob("*.jsonl"), *RUNS.glob("checks/*.jsonl")])
-    legacy = [path for path in paths if '"kind"' not in path.read_text()]
-    assert legacy
     skipped = []
-    kinds = {record["kind"] for path in legacy for record in records.read(path, skipped)}
-    assert kinds == {"bench", "ring", "verify"}
-    for path in paths:
-        records.read(path, skipped)
+    committed = [record for path in paths for record in records.read(path, skipped)]
+    assert skipped == []
+    for kind in ("bench", "ring", "verify"):
+        found = [record for record in committed if record["kind"] == kind]
+        assert found, kind
+        legacy = tmp_path / f"{kind}.jsonl"
+        without = [{name: v for name, v in r.items() if name != "kind"} for r in found]
+        legacy.write_text("".join(json.dumps(r) + "\n" for r in without))
+        assert '"kind"' not in legacy.read_text()
+        assert {record["kind"] for record in records.read(legacy, skipped)} == {kind}
     assert skipped == []
 
 

@@ -41,7 +41,7 @@ def section(found: Collected) -> list[str]:
     body = []
     for entry in sorted(series.values(), key=lambda e: _order(e["shape"])):
         shape, ratios = entry["shape"], entry["ratios"]
-        faster = max(set(entry["faster"]), key=entry["faster"].count)
+        faster = max(sorted(set(entry["faster"])), key=entry["faster"].count)  # a tie: by name
         wins = f"{entry['faster'].count(faster)} of {len(ratios)}"
         reason = max(entry["why"], key=entry["why"].get)
         chose, _, why = reason.partition(": ")
