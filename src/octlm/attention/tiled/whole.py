@@ -39,23 +39,24 @@ from octlm.attention.tiled.threads import parallel_map
 
 # Scores per head, in tiles of the call's block, up to which a call is computed whole.
 WHOLE_TILES = 1
-# The most entries of the rules' dense bias, (B, Q, K), a call computed whole may build (16 MiB
-# in float32); above, the block walk, which builds none, wins on memory.
-WHOLE_BIAS = 2**22
+# The most scores of one head over the batch, B * Q * K, a call computed whole may have; a
+# larger batch of such calls takes the block walk.
+WHOLE_BATCH_SCORES = 2**22
 # Scores per piece: a piece's tile (1 MiB in float32) stays in a core's cache.
 PIECE_SCORES = 2**18
 
 
 def fits_whole(query: Tensor, key: Tensor, rules: Rules) -> bool:
     """Whether the call is computed whole: rows and keys to see, at most one tile's scores
-    per head, a bounded dense bias, and no block mask (whose grid is the tiling)."""
+    per head, a bounded batch of them, and no block mask (whose grid is the tiling)."""
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
     if rules.block_mask is not None or 0 in query.shape or 0 in key.shape:
         return False
     per_head = q_len * k_len
     return (
-        per_head <= WHOLE_TILES * rules.block[0] * rules.block[1] and batch * per_head <= WHOLE_BIAS
+        per_head <= WHOLE_TILES * rules.block[0] * rules.block[1]
+        and batch * per_head <= WHOLE_BATCH_SCORES
     )
 
 
@@ -66,7 +67,7 @@ class _Call:
     queries: Tensor  # (B, Hkv, G*Q, D), scale * unit * query
     keys: Tensor  # (B, Hkv, K, D)
     values: Tensor  # (B, Hkv, K, D)
-    rules: _Visibility  # what each row may see, built per piece
+    visibility: _Visibility  # what each row may see, built per piece
     bias: Tensor | None  # (b, h, q, k) in units: the float mask
     mask: Tensor | None  # the float mask (b, h, q, k) as given, for the careful fills
     slopes: Tensor | None  # (B|1, H) in units, times -1: ALiBi's bias is slopes * distance
@@ -98,7 +99,7 @@ class _Call:
 
     def visible(self, b: int, kv: slice) -> Tensor | None:
         """Bool ``(n*G|1, Q, K)``: where the piece's rows may see a key; None if everywhere."""
-        rules, visible = self.rules, self.rules.shared  # (Q, K)
+        rules, visible = self.visibility, self.visibility.shared  # (Q, K)
         if rules.present is not None:
             visible = _both(visible, rules.present[b])  # (1, K)
         if rules.documents is not None:
