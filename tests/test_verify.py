@@ -176,3 +176,12 @@ def test_structure_cases_cover_every_implementation_and_catch_an_ignored_keyword
     assert failed == {(name, left) for name in documents for left in ("tiled", "auto")}
     wrong = {record["check"].split(": ")[1] for record in found if not record["passed"]}
     assert {"output", "gradient of query"} <= wrong
+
+
+def test_records_go_to_runs_local_unless_told(tmp_path, monkeypatch):
+    """A plain `octlm verify` leaves the committed reference records in runs/ as they are."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["verify", "--quick", "--dtype", "float32", "--only", "tiled-sdpa"]
+    assert cli.main(argv) == 0
+    assert list((tmp_path / "runs" / "local").glob("*-tiled-sdpa.jsonl"))
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["local"]

@@ -22,7 +22,11 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
         "OUT/<date>-<experiment>.jsonl, every record tagged with this run's id; exit status 1 "
         "when any check fails."
     )
-    parser.add_argument("--out", default="runs", help="folder for the records (default runs)")
+    parser.add_argument(
+        "--out",
+        default="runs/local",
+        help="folder for the records (default runs/local; `make reference` writes runs/)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="fewer sizes and blocks, for a quick check"
     )
