@@ -50,18 +50,19 @@ reference: $(VENV)/.installed
 	$(PY) -m octlm verify --out runs
 	$(PY) -m octlm bench reference --resume --rounds 3 \
 		--output runs/bench-baseline-cpu.jsonl
-	$(PY) -m octlm bench train --resume --rounds 3
-	$(PY) -m octlm bench structure --resume
-	$(PY) -m octlm bench route --resume --rounds 3
+	$(PY) -m octlm bench train --resume --rounds 3 --output runs/bench-train-cpu.jsonl
+	$(PY) -m octlm bench structure --resume --output runs/bench-structure-cpu.jsonl
+	$(PY) -m octlm bench route --resume --rounds 3 --output runs/bench-route-cpu.jsonl
 	$(PY) -m octlm bench training --what attention --attention sdpa tiled auto \
-		--lengths 256 1024 4096 --packing off on --dtypes float32 --rounds 3
+		--lengths 256 1024 4096 --packing off on --dtypes float32 --rounds 3 \
+		--output runs/bench-training-cpu.jsonl
 	$(PY) -m octlm bench baseline --backends flash tiled --lengths 8192 --busy --rounds 3 --resume \
 		--output runs/bench-contention-cpu.jsonl
-	$(PY) -m octlm.lab.bench.ring
-	$(PY) -m octlm.lab.bench.ring --length 32768 --repeats 2
-	$(PY) -m octlm bench decode
-	$(PY) -m octlm bench documents
-	$(PY) -m octlm report --output runs/report.md
+	$(PY) -m octlm.lab.bench.ring --output runs/bench-ring-cpu.jsonl
+	$(PY) -m octlm.lab.bench.ring --length 32768 --repeats 2 --output runs/bench-ring-cpu.jsonl
+	$(PY) -m octlm bench decode --output runs/bench-decode-cpu.jsonl
+	$(PY) -m octlm bench documents --output runs/bench-documents-cpu.jsonl
+	$(PY) -m octlm report --output runs/report.md runs/*.jsonl
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples

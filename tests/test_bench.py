@@ -450,7 +450,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
     monkeypatch.setattr(driver, "run", run)
     assert main(["bench", "structure", "--lengths", "512", "--block", "64"]) == 0
     [(measurements, output, options)] = calls
-    assert str(output) == os.path.join("runs", "bench-structure-cpu.jsonl")
+    assert str(output) == os.path.join("runs", "local", "bench-structure-cpu.jsonl")
     assert options == {
         "experiment": "bench-structure", "timeout": 600.0, "resume": False, "rounds": 1,
         "peak": True,
@@ -460,7 +460,7 @@ def test_command_line_fills_the_suite_and_names_the_default_output(monkeypatch):
     calls.clear()
     assert main(["bench", "seed", "--lengths", "64", "--busy", "--rounds", "3"]) == 0
     [(measurements, output, options)] = calls
-    assert str(output) == os.path.join("runs", "bench-baseline-cpu.jsonl")
+    assert str(output) == os.path.join("runs", "local", "bench-baseline-cpu.jsonl")
     assert options["rounds"] == 3 and {m.busy for m in measurements} == {False, True}
 
 

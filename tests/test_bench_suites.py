@@ -74,6 +74,24 @@ def test_every_suite_the_makefile_names_exists():
     assert named and set(named) <= {*SUITES, *PROGRAMS, *ALIASES}
 
 
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_a_program_suite_writes_to_runs_local_unless_told(name):
+    """A plain run leaves the committed reference records in runs/ as they are."""
+    own = argparse.ArgumentParser()
+    importlib.import_module(PROGRAMS[name]).add_arguments(own)
+    assert Path(own.parse_args([]).output).parent == Path("runs", "local")
+
+
+def test_the_reference_target_names_the_committed_file_of_every_suite_it_runs():
+    """`make reference` writes runs/*.jsonl only because each of its lines says so."""
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    target = makefile.split("\nreference:")[1].split("\n\n")[0].replace("\\\n", " ")
+    runs = [line for line in target.splitlines() if re.search(r"octlm( bench|\.lab\.bench)", line)]
+    assert len(runs) == target.count("$(PY) -m octlm") - 2  # all but verify and report
+    for line in runs:
+        assert re.search(r"--output runs/bench-[a-z]+-cpu\.jsonl\b", line), line
+
+
 @pytest.mark.parametrize("name", [*SUITES, *PROGRAMS])
 def test_every_suites_help_is_the_program_it_runs(name, capsys):
     """``octlm bench NAME --help`` shows NAME's own options: a program suite's are those of

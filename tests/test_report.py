@@ -234,11 +234,17 @@ def test_the_committed_report_is_what_octlm_report_makes_of_the_committed_record
     the command's default output is runs/local/, never the tracked file."""
     monkeypatch.chdir(RUNS.parent)
     output = tmp_path / "report.md"
-    assert main(["report", "--output", str(output)]) == 0
+    committed = sorted(str(path.relative_to(RUNS.parent)) for path in RUNS.glob("*.jsonl"))
+    assert main(["report", "--output", str(output), *committed]) == 0
     assert output.read_text() == (RUNS / "report.md").read_text()
     monkeypatch.chdir(tmp_path)
     assert main(["report", str(FIXTURE)]) == 0
     assert DEFAULT_OUTPUT.is_file() and Path("runs/local/report.md") == DEFAULT_OUTPUT
+    # without files it reads this machine's own records, runs/local/*.jsonl
+    mine = Path("runs/local/bench-baseline-cpu.jsonl")
+    mine.write_bytes(FIXTURE.read_bytes())
+    assert main(["report"]) == 0
+    assert str(mine) in DEFAULT_OUTPUT.read_text()
 
 
 def test_report_without_any_records_says_so_plainly(tmp_path):

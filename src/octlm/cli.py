@@ -186,7 +186,9 @@ def _grid_options(parser: argparse.ArgumentParser, name: str) -> None:
         default=600.0,
         help="seconds per measurement before its worker is killed (default 600)",
     )
-    parser.add_argument("--output", help=f"records file (default runs/bench-{name}-DEVICE.jsonl)")
+    parser.add_argument(
+        "--output", help=f"records file (default runs/local/bench-{name}-DEVICE.jsonl)"
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -223,7 +225,7 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths",
         nargs="*",
-        help="records files, or training run folders (default: runs/*.jsonl)",
+        help="records files, or training run folders (default: runs/local/*.jsonl)",
     )
     parser.add_argument(
         "--output",

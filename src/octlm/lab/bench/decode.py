@@ -40,7 +40,7 @@ from octlm.model import KVCache, ModelConfig, OctLM
 from octlm.signals import run_stoppable
 
 EXPERIMENT = "bench-decode"
-OUTPUT = Path("runs") / "bench-decode-cpu.jsonl"
+OUTPUT = Path("runs") / "local" / "bench-decode-cpu.jsonl"
 ATTENTIONS = ("tiled", "sdpa")
 
 
@@ -261,7 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=positive_int, default=8)
     parser.add_argument("--block", type=positive_int, nargs=2, default=list(DEFAULT_BLOCK))
     parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
-    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument(
+        "--output", type=Path, default=OUTPUT, help="records file (default %(default)s)"
+    )
 
 
 def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -40,7 +40,7 @@ from octlm.lab.bench.timing import time_calls
 from octlm.signals import run_stoppable
 
 EXPERIMENT = "bench-documents"
-OUTPUT = Path("runs") / "bench-documents-cpu.jsonl"
+OUTPUT = Path("runs") / "local" / "bench-documents-cpu.jsonl"
 
 
 def packed(length: int, documents: int) -> torch.Tensor:
@@ -135,7 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="intra-op threads (default: torch's); on a shared, oversubscribed machine 1 "
         "keeps thread synchronisation out of the figures",
     )
-    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument(
+        "--output", type=Path, default=OUTPUT, help="records file (default %(default)s)"
+    )
 
 
 def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -55,7 +55,8 @@ def bench(
 ) -> int:
     """Measure suite ``name`` (or its alias) with grid ``overrides`` into ``output``.
 
-    ``output`` defaults to ``runs/bench-<suite>-<device>.jsonl``. Returns the exit code:
+    ``output`` defaults to ``runs/local/bench-<suite>-<device>.jsonl``, out of the committed
+    reference records. Returns the exit code:
     0 when every measurement has a record, 130 (or 128 + signal) when stopped.
     """
     name = suite_name(name)
@@ -71,7 +72,7 @@ def bench(
     measurements = suite(name, **overrides)
     if output is None:
         devices = sorted({torch.device(m.device).type for m in measurements})
-        output = Path("runs") / f"bench-{name}-{'-'.join(devices)}.jsonl"
+        output = Path("runs") / "local" / f"bench-{name}-{'-'.join(devices)}.jsonl"
     return run(
         measurements,
         output,

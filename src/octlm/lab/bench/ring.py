@@ -43,7 +43,7 @@ from octlm.lab.bench.suites import DTYPES, MODES
 from octlm.lab.bench.timing import time_calls
 
 EXPERIMENT = "bench-ring"
-OUTPUT = Path("runs") / "bench-ring-cpu.jsonl"
+OUTPUT = Path("runs") / "local" / "bench-ring-cpu.jsonl"
 
 
 def _worker(rank: int, spec: dict, folder: str) -> None:
@@ -208,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="in all")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
-    parser.add_argument("--output", default=str(OUTPUT))
+    parser.add_argument("--output", default=str(OUTPUT), help="records file (default %(default)s)")
 
 
 def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,6 +1,7 @@
 """How fast ``octlm train`` runs: its overhead over a bare loop, and each attention's cost.
 
-Two measurements, appended as records to ``runs/bench-training-cpu.jsonl``::
+Two measurements, appended as records to ``--output`` (``runs/local/bench-training-cpu.jsonl``
+unless told otherwise)::
 
     octlm bench training --what overhead   # train() against a bare loop, T = 256, 1024
     octlm bench training --what attention  # each attention at 1,024 and 4,096 tokens
@@ -40,7 +41,7 @@ from octlm.training import data, resolve
 from octlm.training.metrics import METRICS, Metrics
 from octlm.training.optim import make_optimizer, make_scheduler
 
-OUTPUT = "runs/bench-training-cpu.jsonl"
+OUTPUT = "runs/local/bench-training-cpu.jsonl"
 TOKENS_PER_STEP = 4096  # batch x length, the same at every length
 # Each of train()'s extras is timed in EXTRA_BLOCKS blocks of EXTRA_CALLS calls.
 EXTRA_CALLS, EXTRA_BLOCKS = 100, 21
@@ -323,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="attention: rounds of every run, the implementations alternating",
     )
-    parser.add_argument("--output", default=OUTPUT)
+    parser.add_argument("--output", default=OUTPUT, help="records file (default %(default)s)")
 
 
 def execute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -49,7 +49,8 @@ __all__ = ["DEFAULT_OUTPUT", "NOT_MEASURED", "collect", "comparison", "load", "w
 
 # Where a report goes unless told: not the committed runs/report.md, which `make reference`
 # writes by naming it.
-DEFAULT_OUTPUT = Path("runs/local/report.md")
+LOCAL = Path("runs/local")  # this machine's records; runs/ holds the committed reference
+DEFAULT_OUTPUT = LOCAL / "report.md"
 
 
 def load(paths: Iterable[str | os.PathLike]) -> list[dict]:
@@ -63,13 +64,14 @@ def write_report(
 ) -> Path:
     """Write ``output`` (Markdown) and its PNG plots beside it; return the Markdown's path.
 
-    ``paths`` defaults to every ``runs/*.jsonl``; a training run's folder (or its
+    ``paths`` defaults to every ``runs/local/*.jsonl`` (this machine's own records; the
+    committed reference records are ``runs/*.jsonl``); a training run's folder (or its
     metrics.jsonl) gives that run's report instead. ``FileNotFoundError`` names a missing
     input; ``ValueError`` an output that cannot be written, or training runs given with
     benchmark records. Skipped lines are listed in the report and on stderr.
     """
     output = records.check_writable(output, "output (--output)")
-    paths = sorted(Path("runs").glob("*.jsonl")) if paths is None else [Path(p) for p in paths]
+    paths = sorted(LOCAL.glob("*.jsonl")) if paths is None else [Path(p) for p in paths]
     paths = [training.metrics_of(p) if p.is_dir() else p for p in paths]
     if any(p.exists() and output.exists() and p.samefile(output) for p in paths):
         raise ValueError(f"output (--output) {str(output)!r} is one of the records read")
