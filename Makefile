@@ -20,12 +20,14 @@ $(VENV)/.installed: pyproject.toml
 
 # pytest-xdist runs the suite in parallel, each test independent of order and process: one
 # worker more than the cores, since many tests wait on the processes they start, and idle
-# workers take tests from busy ones (worksteal).
+# workers take tests from busy ones (worksteal). The suite starts over a hundred Python
+# processes, so Python keeps its bytecode (__pycache__, ignored by git) even where the
+# environment sets PYTHONDONTWRITEBYTECODE: otherwise each would compile octlm again.
 WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
-	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 
 # Each verify run tags its records with a run id; the report counts only the latest run.
 verify: $(VENV)/.installed
