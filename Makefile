@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 # pytest-xdist runs the suite in parallel, each test independent of order and process: one
 # worker more than the cores, since many tests wait on the processes they start, and idle
-# workers take tests from busy ones (worksteal). The suite starts over a hundred Python
+# workers take tests from busy ones (worksteal). The suite starts dozens of Python
 # processes, so Python keeps its bytecode (__pycache__, ignored by git) even where the
 # environment sets PYTHONDONTWRITEBYTECODE: otherwise each would compile octlm again.
 WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))

@@ -2,15 +2,15 @@
 
     .venv/bin/python benchmarks/precision_step.py [--rounds 7] [--steps 5] [--output FILE]
 
-For the tiny preset with a byte vocabulary (256) and the small preset with a BPE-sized one
-(4,096), each round times ``--steps`` optimizer steps (forward, backward, gradient clipping,
-Muon for the blocks' matrices and AdamW for the rest, as ``octlm train`` runs them) in float32
-and then in bfloat16 autocast (Muon's iteration in bfloat16 too), the order reversed every other
-round so that a drift in the machine's speed hits both alike; a warm-up step of each comes
-first. It prints, per model, the median seconds per step of each dtype and the bfloat16 ÷
-float32 ratio of each round (median, min–max), and appends one record per model to
-``--output`` when given. What ``--dtype auto`` would pick here is printed too. This is a
-benchmark, not a test: its figures belong to the machine it ran on.
+For the tiny preset with a byte vocabulary (256) and with the defaults' BPE (4,096), and the
+small preset with 4,096, each round times ``--steps`` optimizer steps (forward, backward,
+gradient clipping, Muon for the blocks' matrices and AdamW for the rest, as ``octlm train``
+runs them) in float32 and then in bfloat16 autocast (Muon's iteration in bfloat16 too), the
+order reversed every other round so that a drift in the machine's speed hits both alike; a
+warm-up step of each comes first. It prints, per model, the median seconds per step of each
+dtype and the bfloat16 ÷ float32 ratio of each round (median, min–max), and appends one
+record per model to ``--output`` when given. What ``--dtype auto`` would pick here is printed
+too. This is a benchmark, not a test: its figures belong to the machine it ran on.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ from octlm.training.optim import make_optimizer
 from octlm.training.precision import resolve_dtype
 
 BATCH, LENGTH = 16, 128  # octlm train's default batch and row length
-MODELS = {"tiny, vocabulary 256": ("tiny", 256), "small, vocabulary 4,096": ("small", 4096)}
+MODELS = {
+    "tiny, vocabulary 256": ("tiny", 256),
+    "tiny, vocabulary 4,096": ("tiny", 4096),  # the defaults' model and BPE
+    "small, vocabulary 4,096": ("small", 4096),
+}
 
 
 def stepper(preset: str, vocab: int, dtype: torch.dtype):

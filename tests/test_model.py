@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from octlm import KVCache, ModelConfig, OctLM
+from octlm.attention import IMPLEMENTATIONS as REGISTRY
 from octlm.equality import GRADIENT_FACTOR, OUTPUT_FACTOR, judge
 from octlm.lab.verify.loss_curve import loss_curve
 from octlm.model import document_positions
@@ -630,3 +631,27 @@ def test_a_model_file_of_the_first_format_still_loads():
     assert loaded.config == made.config  # the file names sdpa as its attention
     for (name, a), b in zip(loaded.state_dict().items(), made.state_dict().values(), strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+
+
+@pytest.mark.parametrize("name", [*IMPLEMENTATIONS, "auto"])
+def test_attention_computes_in_float32_under_cpu_autocast(name, monkeypatch):
+    """Under bfloat16 autocast on CPU the projections run in bfloat16 and every attention
+    call gets float32 operands with autocast off; the gradients reach the weights."""
+    seen = []
+    impl = REGISTRY[name]
+
+    def spy(query, key, value, **options):
+        seen.append((query.dtype, key.dtype, value.dtype, torch.is_autocast_enabled("cpu")))
+        return impl.function(query, key, value, **options)
+
+    monkeypatch.setitem(REGISTRY, name, replace(impl, function=spy))
+    torch.manual_seed(0)
+    model = OctLM(replace(SMALL, attention=name))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens_for(2, 24))  # (B, T, V)
+    assert logits.dtype == torch.bfloat16
+    assert seen == [(torch.float32,) * 3 + (False,)] * SMALL.n_layers
+    logits.float().logsumexp(-1).sum().backward()
+    for weight in model.parameters():
+        assert weight.grad is not None and weight.grad.dtype == torch.float32
+        assert weight.grad.isfinite().all()

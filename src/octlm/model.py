@@ -12,6 +12,7 @@ heads in place, so the model never repeats them.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
@@ -298,16 +299,23 @@ class Attention(nn.Module):
         documents = {} if document_ids is None else {"document_ids": document_ids}
         # Causal is bottom-right aligned, so one rule serves a full sequence and a chunk after
         # cached keys: the structure is described, never materialised as a T x K mask.
-        attended = impl.function(
-            query,
-            key,
-            value,
+        attend = functools.partial(
+            impl.function,
             causal=True,
             window=self.config.window,
             dropout_p=self.dropout.p if self.training else 0.0,
             **documents,
             **tuning,
-        )  # (B, H, T, D)
+        )
+        if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # Attention computes in float32 under CPU autocast: SDPA's bfloat16 backward is
+            # slower there than its float32 one, by more than bfloat16 gains in the matrix
+            # products (docs/training.md, 'Precision and memory'), and float32 is the more
+            # exact. The output projection casts the result back.
+            with torch.autocast("cpu", enabled=False):
+                attended = attend(query.float(), key.float(), value.float())  # (B, H, T, D)
+        else:
+            attended = attend(query, key, value)  # (B, H, T, D)
         attended = attended.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
         return self.dropout(self.output(attended))
 
