@@ -65,6 +65,21 @@ def seconds_per_step(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def alternate(runs: dict, rounds: int, measure) -> tuple[dict, list[float]]:
+    """Time ``runs`` (float32 and bfloat16, each warmed up once) by ``measure`` once a round,
+    the order reversed every other round; the times per dtype and each round's bfloat16 ÷
+    float32 ratio."""
+    for run in runs.values():
+        run()  # warm-up
+    times = {dtype: [] for dtype in runs}
+    for round in range(rounds):
+        order = list(runs) if round % 2 == 0 else list(reversed(runs))
+        for dtype in order:
+            times[dtype].append(measure(runs[dtype]))
+    ratios = [b / f for f, b in zip(times[torch.float32], times[torch.bfloat16], strict=True)]
+    return times, ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -74,14 +89,9 @@ def main() -> None:
     print(f"--dtype auto here: {resolve_dtype('auto', torch.device('cpu'))}")
     for label, (preset, vocab) in MODELS.items():
         steps = {d: stepper(preset, vocab, d) for d in (torch.float32, torch.bfloat16)}
-        for step in steps.values():
-            step()  # warm-up
-        times = {d: [] for d in steps}
-        for round in range(args.rounds):
-            order = list(steps) if round % 2 == 0 else list(reversed(steps))
-            for dtype in order:
-                times[dtype].append(seconds_per_step(steps[dtype], args.steps))
-        ratios = [b / f for f, b in zip(times[torch.float32], times[torch.bfloat16], strict=True)]
+        times, ratios = alternate(
+            steps, args.rounds, lambda step: seconds_per_step(step, args.steps)
+        )
         record = records.make("check", "precision-step") | {
             "model": label,
             "batch": BATCH,

@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from precision_step import alternate  # this folder's: the script's own
 
 BATCH, HEADS, KV_HEADS, LENGTH, HEAD_SIZE = 16, 4, 2, 128, 32  # the tiny preset's step
 
@@ -57,14 +58,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for backward in (False, True):
         runs = {dtype: call(dtype, backward) for dtype in (torch.float32, torch.bfloat16)}
-        for run in runs.values():
-            run()  # warm-up
-        times = {dtype: [] for dtype in runs}
-        for round in range(args.rounds):
-            order = list(runs) if round % 2 == 0 else list(reversed(runs))
-            for dtype in order:
-                times[dtype].append(milliseconds(runs[dtype], args.calls))
-        ratios = [b / f for f, b in zip(times[torch.float32], times[torch.bfloat16], strict=True)]
+        times, ratios = alternate(runs, args.rounds, lambda run: milliseconds(run, args.calls))
         label = "forward + backward" if backward else "forward"
         f32, bf16 = (statistics.median(times[d]) for d in runs)
         print(
