@@ -331,7 +331,12 @@ def whole_backward(
         torch.bmm(flat.transpose(1, 2), grad_rows, out=grad_value[b, kv])  # (n, K, D)
         grad_scores = torch.bmm(grad_rows, values[b, kv].transpose(1, 2))  # (n, G*Q, K)
         grad_scores = grad_scores.view(probs.shape)  # (n*G, Q, K)
-        grad_scores.sub_(delta[b, heads, :, None]).mul_(probs)  # d loss / d scores
+        if residue is None:  # each row's delta from its own tile, as naive's backward forms it
+            row_delta = (grad_scores * probs).sum(dim=-1, keepdim=True)  # (n*G, Q, 1)
+            row_delta.mul_(inverse[b, heads, :, None])
+        else:  # the rounded delta, whose residue the slopes and sinks correct for
+            row_delta = delta[b, heads, :, None]
+        grad_scores.sub_(row_delta).mul_(probs)  # d loss / d scores
         by_group = (count, group, q_len)
         if grad_mask is not None:  # folded (B, Hkv, Q, G, K)
             grad_mask[b, kv] = grad_scores.view(*by_group, k_len).transpose(1, 2)
