@@ -30,6 +30,9 @@ import torch
 
 from octlm.machine import cpu_flags, cpu_model, memory_bytes
 
+# Where a machine's own records go unless told: runs/ holds the committed reference records,
+# which only `make reference` writes, naming each file.
+LOCAL = Path("runs", "local")
 KINDS = ("bench", "ring", "peak", "verify", "train_step", "eval", "check")
 MACHINE = ("torch", "device", "threads", "host_cpu", "cpus", "cpu_flags", "memory_bytes")
 # What tells two machines apart (the device and the thread count vary within one machine).

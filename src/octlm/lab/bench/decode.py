@@ -40,7 +40,7 @@ from octlm.model import KVCache, ModelConfig, OctLM
 from octlm.signals import run_stoppable
 
 EXPERIMENT = "bench-decode"
-OUTPUT = Path("runs") / "local" / "bench-decode-cpu.jsonl"
+OUTPUT = records.LOCAL / "bench-decode-cpu.jsonl"
 ATTENTIONS = ("tiled", "sdpa")
 
 

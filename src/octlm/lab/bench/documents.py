@@ -40,7 +40,7 @@ from octlm.lab.bench.timing import time_calls
 from octlm.signals import run_stoppable
 
 EXPERIMENT = "bench-documents"
-OUTPUT = Path("runs") / "local" / "bench-documents-cpu.jsonl"
+OUTPUT = records.LOCAL / "bench-documents-cpu.jsonl"
 
 
 def packed(length: int, documents: int) -> torch.Tensor:

@@ -72,7 +72,7 @@ def bench(
     measurements = suite(name, **overrides)
     if output is None:
         devices = sorted({torch.device(m.device).type for m in measurements})
-        output = Path("runs") / "local" / f"bench-{name}-{'-'.join(devices)}.jsonl"
+        output = records.LOCAL / f"bench-{name}-{'-'.join(devices)}.jsonl"
     return run(
         measurements,
         output,

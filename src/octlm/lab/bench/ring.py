@@ -43,7 +43,7 @@ from octlm.lab.bench.suites import DTYPES, MODES
 from octlm.lab.bench.timing import time_calls
 
 EXPERIMENT = "bench-ring"
-OUTPUT = Path("runs") / "local" / "bench-ring-cpu.jsonl"
+OUTPUT = records.LOCAL / "bench-ring-cpu.jsonl"
 
 
 def _worker(rank: int, spec: dict, folder: str) -> None:

@@ -41,7 +41,7 @@ from octlm.training import data, resolve
 from octlm.training.metrics import METRICS, Metrics
 from octlm.training.optim import make_optimizer, make_scheduler
 
-OUTPUT = "runs/local/bench-training-cpu.jsonl"
+OUTPUT = str(records.LOCAL / "bench-training-cpu.jsonl")
 TOKENS_PER_STEP = 4096  # batch x length, the same at every length
 # Each of train()'s extras is timed in EXTRA_BLOCKS blocks of EXTRA_CALLS calls.
 EXTRA_CALLS, EXTRA_BLOCKS = 100, 21

@@ -49,8 +49,7 @@ __all__ = ["DEFAULT_OUTPUT", "NOT_MEASURED", "collect", "comparison", "load", "w
 
 # Where a report goes unless told: not the committed runs/report.md, which `make reference`
 # writes by naming it.
-LOCAL = Path("runs/local")  # this machine's records; runs/ holds the committed reference
-DEFAULT_OUTPUT = LOCAL / "report.md"
+DEFAULT_OUTPUT = records.LOCAL / "report.md"
 
 
 def load(paths: Iterable[str | os.PathLike]) -> list[dict]:
@@ -71,7 +70,7 @@ def write_report(
     benchmark records. Skipped lines are listed in the report and on stderr.
     """
     output = records.check_writable(output, "output (--output)")
-    paths = sorted(LOCAL.glob("*.jsonl")) if paths is None else [Path(p) for p in paths]
+    paths = sorted(records.LOCAL.glob("*.jsonl")) if paths is None else [Path(p) for p in paths]
     paths = [training.metrics_of(p) if p.is_dir() else p for p in paths]
     if any(p.exists() and output.exists() and p.samefile(output) for p in paths):
         raise ValueError(f"output (--output) {str(output)!r} is one of the records read")

@@ -43,7 +43,7 @@ def check_options(device: str, dtypes: Sequence[str], experiments: Sequence[str]
 
 
 def run(
-    out: str | Path = "runs/local",
+    out: str | Path = records.LOCAL,
     *,
     plan: Plan = FULL,
     device: str = "cpu",
