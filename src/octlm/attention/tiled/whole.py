@@ -298,6 +298,9 @@ def whole_backward(
 
     The probabilities are formed again as the forward formed them, ``exp(score - shift)``,
     and ``1 / total`` rides on ``grad_out`` and ``delta``, so no pass over the tile divides.
+    The given ``delta`` (``rowsum(grad_out * out)``) serves only where ``residue`` is asked for
+    (learned slopes or sinks, whose gradients correct for its rounding); otherwise each row's
+    delta is summed from its own tile, ``sum(p * dp)``, as naive's backward sums it.
     """
     call = _call(query, key, value, rules, rows.units, rows.careful)
     dtype = call.queries.dtype
