@@ -10,7 +10,9 @@ order reversed every other round so that a drift in the machine's speed hits bot
 warm-up step of each comes first. It prints, per model, the median seconds per step of each
 dtype and the bfloat16 ÷ float32 ratio of each round (median, min–max), and appends one
 record per model to ``--output`` when given. What ``--dtype auto`` would pick here is printed
-too. This is a benchmark, not a test: its figures belong to the machine it ran on.
+too. As ``octlm train`` does on CPU, the process keeps large freed blocks for reuse
+(:mod:`octlm.training.allocator`; its own effect: ``benchmarks/allocator_step.py``). This is
+a benchmark, not a test: its figures belong to the machine it ran on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from octlm import records
 from octlm.model import ModelConfig, OctLM
+from octlm.training.allocator import keep_freed_memory
 from octlm.training.config import PRESETS
 from octlm.training.optim import make_optimizer
 from octlm.training.precision import resolve_dtype
@@ -86,6 +89,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per dtype and round")
     parser.add_argument("--output", help="append one record per model to this file")
     args = parser.parse_args()
+    kept = keep_freed_memory()
+    print(f"large freed blocks kept for reuse: {'yes' if kept else 'no'}")
     print(f"--dtype auto here: {resolve_dtype('auto', torch.device('cpu'))}")
     for label, (preset, vocab) in MODELS.items():
         steps = {d: stepper(preset, vocab, d) for d in (torch.float32, torch.bfloat16)}
@@ -98,6 +103,7 @@ def main() -> None:
             "length": LENGTH,
             "rounds": args.rounds,
             "steps": args.steps,
+            "freed_memory_kept": kept,
             "float32_seconds": times[torch.float32],
             "bfloat16_seconds": times[torch.bfloat16],
             "ratio_median": statistics.median(ratios),

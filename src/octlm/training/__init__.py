@@ -3,6 +3,7 @@
 - :mod:`~octlm.training.config`: ``RunConfig``, presets, resolving flags, files and presets
 - :mod:`~octlm.training.data`: corpus -> memory-mapped token files; batches
 - :mod:`~octlm.training.optim`: AdamW (decay on matrices) and warm-up + cosine schedule
+- :mod:`~octlm.training.allocator`: glibc set to keep large freed blocks for the next step
 - :mod:`~octlm.training.loop`: :func:`train`: the steps over one ``Training`` state, signals
 - :mod:`~octlm.training.folder`: a run folder's life: lock, checks, overwrite, read back
 - :mod:`~octlm.training.checkpoint`: atomic checkpoints, checked on load

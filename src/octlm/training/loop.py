@@ -40,6 +40,7 @@ from octlm.model import ModelConfig, OctLM
 from octlm.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import checkpoint, data, distributed
 from octlm.training import folder as run_folder
+from octlm.training.allocator import keep_freed_memory
 from octlm.training.budget import Stopwatch
 from octlm.training.config import DTYPES, RunConfig, imported_tokenizer, parameter_count
 from octlm.training.distributed import Cluster
@@ -95,10 +96,13 @@ def train(
     the first step they raise :class:`octlm.signals.Stopped` (Ctrl-C: ``KeyboardInterrupt``):
     nothing was trained, and the next start clears what was prepared.
     ``clock`` (seconds) measures the training time that ``run.time_budget`` spends.
+    On CPU the process keeps large freed blocks for reuse (:mod:`octlm.training.allocator`).
     """
     if run.init_from is not None and not resume:  # the run keeps its weights' tokenizer
         run = imported_tokenizer(run, model_config.vocab_size)
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
+    if cluster.device.type == "cpu":
+        keep_freed_memory()
     chosen = run.dtype == AUTO  # resolved from rank 0's hardware, stored as resolved
     run = replace(run, dtype=cluster.share(resolve_dtype(run.dtype, cluster.device)))
     folder = Path(out)
