@@ -170,6 +170,20 @@ def test_a_row_that_sees_nothing_gives_zeros_and_no_gradient(whole_calls):
     assert whole_calls["forward"] == 3
 
 
+def test_more_rows_than_keys_leave_the_first_rows_seeing_nothing(whole_calls):
+    """Causal with 50 query rows after 20 keys: rows 0-29 see no key, give zeros, an lse of
+    -inf and no gradient; the rest stay exact."""
+    query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=50, k_len=20)
+    out = check(query, key, value, options={})
+    assert not out[:, :, :30].any()
+    _, lse = tiled_attention(query, key, value, return_lse=True)
+    assert (lse[:, :, :30] == float("-inf")).all() and lse[:, :, 30:].isfinite().all()
+    leaves = [x.detach().clone().requires_grad_() for x in (query, key, value)]
+    tiled_attention(*leaves).sum().backward()
+    assert not leaves[0].grad[:, :, :30].any()
+    assert whole_calls["forward"] == 3 and whole_calls["backward"] == 2
+
+
 def test_rows_that_see_one_key_pass_their_output_gradient_through_exactly(whole_calls):
     """``window=1``: each row's probability of its own key is exactly 1, recomputed so in the
     backward, so each key's ``dv`` is its group's ``dO`` at that row, summed."""
