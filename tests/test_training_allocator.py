@@ -17,18 +17,20 @@ glibc_only = pytest.mark.skipif(
     reason="mallopt's thresholds are glibc's",
 )
 
-# Allocates, fills and frees a 64 MiB tensor nine times; prints the setting's result and the
+# Allocates, fills and frees a 64 MiB tensor 24 times; prints the setting's result and the
 # minor page faults of the last eight rounds (a fresh mapping faults once per page it touches).
+# The first rounds may still grow the heap while freed blocks settle into reusable places.
 _FAULTS = """
 import resource, sys, torch
 from octlm.training.allocator import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-torch.empty(1 << 24).fill_(1.0)
+for _ in range(16):
+    torch.empty(1 << 24).fill_(1.0)  # 64 MiB, freed at once
 before = faults()
 for _ in range(8):
-    torch.empty(1 << 24).fill_(1.0)  # 64 MiB, freed at once
+    torch.empty(1 << 24).fill_(1.0)
 print(kept, faults() - before)
 """
 
@@ -50,7 +52,7 @@ def test_a_freed_large_block_is_reused_without_page_faults():
     assert kept == "True"
     _, faults_by_default = _run("default")
     assert faults_by_default > 6 * pages  # the premise: by default each round maps it anew
-    assert faults < 2.5 * pages  # kept in the heap: a round or two at most touch new pages
+    assert faults < 2 * pages  # kept in the heap: a settled round seldom touches a new block
 
 
 @glibc_only
