@@ -31,7 +31,7 @@ from octlm.training.allocator import keep_freed_memory
 from octlm.training.precision import resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))
-from precision_step import seconds_per_step, stepper
+from precision_step import ratio_fields, ratio_text, seconds_per_step, stepper
 
 ARMS = ("kept", "default")
 PRESET, VOCAB = "tiny", 4096  # the defaults' model and BPE
@@ -75,24 +75,24 @@ def main() -> None:
     seconds = {arm: [r["seconds"] for r in results[arm]] for arm in ARMS}
     peaks = {arm: max(r["peak_bytes"] for r in results[arm]) for arm in ARMS}
     ratios = [k / d for k, d in zip(seconds["kept"], seconds["default"], strict=True)]
-    record = records.make("check", "allocator-step") | {
-        "model": f"{PRESET}, vocabulary {VOCAB:,}",
-        "dtype": results["kept"][0]["dtype"],
-        "rounds": args.rounds,
-        "steps": args.steps,
-        "kept_seconds": seconds["kept"],
-        "default_seconds": seconds["default"],
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "kept_peak_bytes": peaks["kept"],
-        "default_peak_bytes": peaks["default"],
-    }
+    record = (
+        records.make("check", "allocator-step")
+        | {
+            "model": f"{PRESET}, vocabulary {VOCAB:,}",
+            "dtype": results["kept"][0]["dtype"],
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "kept_seconds": seconds["kept"],
+            "default_seconds": seconds["default"],
+            "kept_peak_bytes": peaks["kept"],
+            "default_peak_bytes": peaks["default"],
+        }
+        | ratio_fields(ratios)
+    )
     print(
         f"{record['model']}, {record['dtype']}: kept {statistics.median(seconds['kept']) * 1e3:.1f}"
         f" ms/step, default {statistics.median(seconds['default']) * 1e3:.1f} ms/step; kept ÷ "
-        f"default {record['ratio_median']:.3f} ({record['ratio_min']:.3f}–"
-        f"{record['ratio_max']:.3f}, {args.rounds} rounds); peak resident "
+        f"default {ratio_text(record, args.rounds)}; peak resident "
         f"{peaks['kept'] / 2**20:,.0f} MiB against {peaks['default'] / 2**20:,.0f} MiB"
     )
     if args.output:

@@ -68,6 +68,21 @@ def seconds_per_step(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def ratio_fields(ratios: list[float]) -> dict:
+    """Per-round ratios as a record keeps them: median, min and max."""
+    return {
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
+def ratio_text(record: dict, rounds: int) -> str:
+    """A record's ratio as printed: ``median (min–max, N rounds)``."""
+    low, high = record["ratio_min"], record["ratio_max"]
+    return f"{record['ratio_median']:.3f} ({low:.3f}–{high:.3f}, {rounds} rounds)"
+
+
 def alternate(runs: dict, rounds: int, measure) -> tuple[dict, list[float]]:
     """Time ``runs`` (float32 and bfloat16, each warmed up once) by ``measure`` once a round,
     the order reversed every other round; the times per dtype and each round's bfloat16 ÷
@@ -97,24 +112,24 @@ def main() -> None:
         times, ratios = alternate(
             steps, args.rounds, lambda step: seconds_per_step(step, args.steps)
         )
-        record = records.make("check", "precision-step") | {
-            "model": label,
-            "batch": BATCH,
-            "length": LENGTH,
-            "rounds": args.rounds,
-            "steps": args.steps,
-            "freed_memory_kept": kept,
-            "float32_seconds": times[torch.float32],
-            "bfloat16_seconds": times[torch.bfloat16],
-            "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-        }
+        record = (
+            records.make("check", "precision-step")
+            | {
+                "model": label,
+                "batch": BATCH,
+                "length": LENGTH,
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "freed_memory_kept": kept,
+                "float32_seconds": times[torch.float32],
+                "bfloat16_seconds": times[torch.bfloat16],
+            }
+            | ratio_fields(ratios)
+        )
         print(
             f"{label}: float32 {statistics.median(times[torch.float32]) * 1e3:.1f} ms/step, "
             f"bfloat16 {statistics.median(times[torch.bfloat16]) * 1e3:.1f} ms/step; "
-            f"bfloat16 ÷ float32 {record['ratio_median']:.3f} "
-            f"({record['ratio_min']:.3f}–{record['ratio_max']:.3f}, {args.rounds} rounds)"
+            f"bfloat16 ÷ float32 {ratio_text(record, args.rounds)}"
         )
         if args.output:
             records.append(args.output, record)
