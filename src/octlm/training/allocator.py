@@ -7,7 +7,7 @@ log-softmax and its gradient are 32 MiB each at a batch of 16 x 128 tokens and a
 faults and the zero-filling of those pages again. Raising the mmap and trim thresholds keeps
 such blocks in the heap, where the next step reuses them. The cost is a resident size that
 stays near the run's peak instead of falling between steps. The measured effect on a
-training step is in docs/training.md ('Memory reuse').
+training step is in docs/training.md, 'Precision and memory'.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def keep_freed_memory() -> bool:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    except (OSError, AttributeError):  # a C library without mallopt
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) and mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))
