@@ -96,7 +96,7 @@ class RunConfig:
     )
     lr: float = _option(3e-3, "peak learning rate (of the AdamW part with --optimizer muon)")
     muon_lr: float = _option(6e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
-    min_lr_ratio: float = _option(0.0, "learning rate at the end, as a share of the peak")
+    min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of the peak")
     warmup: int = _option(50, "steps of linear warm-up before the cosine decay")
     weight_decay: float = _option(0.1, "weight decay of the matrices (AdamW and Muon)")
     clip: float = _option(1.0, "gradient norm clipping threshold (0: none)")
