@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from precision_step import alternate  # this folder's: the script's own
+from precision_step import alternate, ratio_fields, ratio_text  # this folder's: the script's own
 
 BATCH, HEADS, KV_HEADS, LENGTH, HEAD_SIZE = 16, 4, 2, 128, 32  # the tiny preset's step
 
@@ -63,8 +63,7 @@ def main() -> None:
         f32, bf16 = (statistics.median(times[d]) for d in runs)
         print(
             f"{label}: float32 {f32:.2f} ms, bfloat16 {bf16:.2f} ms; bfloat16 ÷ float32 "
-            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}, "
-            f"{args.rounds} rounds)"
+            f"{ratio_text(ratio_fields(ratios), args.rounds)}"
         )
 
 
