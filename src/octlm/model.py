@@ -269,6 +269,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def attends_in_float32(device: torch.device) -> bool:
+    """Whether attention on ``device`` computes in float32 whatever autocast says: under CPU
+    autocast, where SDPA's bfloat16 backward is slower than its float32 one by more than
+    bfloat16 gains in the matrix products (docs/training.md, 'Precision and memory'), and
+    float32 is the more exact. The output projection casts the result back."""
+    return device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
 class Attention(nn.Module):
     """Projections, RoPE and one call into ``octlm.attention``; no attention maths here."""
 
@@ -280,6 +288,11 @@ class Attention(nn.Module):
         )
         self.output = nn.Linear(config.width, config.width, bias=False)
         self.dropout = nn.Dropout(config.dropout)
+        impl = implementation(config.attention)
+        tuning = {name: getattr(config, name) for name in impl.tuning if hasattr(config, name)}
+        # Causal is bottom-right aligned, so one rule serves a full sequence and a chunk after
+        # cached keys: the structure is described, never materialised as a T x K mask.
+        self.attend = functools.partial(impl.function, causal=True, window=config.window, **tuning)
 
     def forward(
         self,
@@ -292,30 +305,14 @@ class Attention(nn.Module):
         query, key, value = self._project(x, rope)  # (B, H, T, D), (B, Hkv, T, D) x 2
         if cache is not None:
             key, value = cache.update(self.layer, key, value)  # (B, Hkv, K, D) x 2
-        impl = implementation(self.config.attention)
-        tuning = {
-            name: getattr(self.config, name) for name in impl.tuning if hasattr(self.config, name)
-        }
         documents = {} if document_ids is None else {"document_ids": document_ids}
-        # Causal is bottom-right aligned, so one rule serves a full sequence and a chunk after
-        # cached keys: the structure is described, never materialised as a T x K mask.
-        attend = functools.partial(
-            impl.function,
-            causal=True,
-            window=self.config.window,
-            dropout_p=self.dropout.p if self.training else 0.0,
-            **documents,
-            **tuning,
-        )
-        if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-            # Attention computes in float32 under CPU autocast: SDPA's bfloat16 backward is
-            # slower there than its float32 one, by more than bfloat16 gains in the matrix
-            # products (docs/training.md, 'Precision and memory'), and float32 is the more
-            # exact. The output projection casts the result back.
+        dropout_p = self.dropout.p if self.training else 0.0
+        if attends_in_float32(query.device):
             with torch.autocast("cpu", enabled=False):
-                attended = attend(query.float(), key.float(), value.float())  # (B, H, T, D)
+                query, key, value = query.float(), key.float(), value.float()
+                attended = self.attend(query, key, value, dropout_p=dropout_p, **documents)
         else:
-            attended = attend(query, key, value)  # (B, H, T, D)
+            attended = self.attend(query, key, value, dropout_p=dropout_p, **documents)
         attended = attended.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
         return self.dropout(self.output(attended))
 
@@ -359,10 +356,16 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.width, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, *context) -> Tensor:
-        """``context`` is what :meth:`Attention.forward` takes after ``x``: the RoPE tables of
-        the tokens' positions, then the KV cache and the document ids (either may be None)."""
-        x = x + self.attention(self.attention_norm(x), *context)  # (B, T, C)
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        cache: KVCache | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        """``rope`` holds the RoPE tables of the tokens' positions; ``cache`` and
+        ``document_ids`` are :meth:`OctLM.forward`'s."""
+        x = x + self.attention(self.attention_norm(x), rope, cache, document_ids)  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
 
 
