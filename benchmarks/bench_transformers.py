@@ -27,8 +27,7 @@ from collections import defaultdict
 
 import torch
 
-from octlm import records
-from octlm.lab.bench import memory
+from octlm import memory, records
 from octlm.lab.bench.timing import time_calls
 
 EXPERIMENT = "transformers-llama"

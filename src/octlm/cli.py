@@ -9,6 +9,7 @@ import importlib
 import re
 import signal
 import sys
+from collections.abc import Iterable
 
 
 def _verify_parser(parser: argparse.ArgumentParser) -> None:
@@ -70,9 +71,10 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
-    """``octlm bench SUITE``: one subcommand per suite, each the program it runs. A grid
-    suite takes the grid options (:func:`_grid_options`); a program suite, its module's own
+    """``octlm bench SUITE``: one subcommand per suite, each with the options and run of its
+    module: :mod:`octlm.lab.bench.grid_command` for a grid suite, its own for a program suite
     (:data:`octlm.lab.bench.suites.PROGRAMS`)."""
+    from octlm.lab.bench import grid_command
     from octlm.lab.bench.suites import ALIASES, PROGRAMS, SUITES, SUMMARIES
 
     parser.description = (
@@ -88,8 +90,12 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
             "each, in rounds that alternate the backends. Grid options replace the suite's "
             "value in all of its grids."
         )
-        _grid_options(suite, name)
-        suite.set_defaults(parser=suite)
+        grid_command.add_arguments(suite)
+        run = functools.partial(grid_command.execute, parser=suite)
+        # A bad option, output or device; a full disk or a failed matmul probe.
+        suite.set_defaults(
+            run=run, exits={ValueError: 2, OSError: 1, RuntimeError: 1}, parser=suite
+        )
     for name, module in PROGRAMS.items():
         program = importlib.import_module(module)
         summary = program.__doc__.splitlines()[0]
@@ -97,120 +103,6 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
         program.add_arguments(suite)
         run = functools.partial(program.execute, parser=suite)
         suite.set_defaults(run=run, exits={}, parser=suite)
-
-
-def _grid_options(parser: argparse.ArgumentParser, name: str) -> None:
-    """Options of a grid suite ``name``: grid overrides, rounds, output."""
-    from octlm.lab.bench.suites import BACKENDS, DTYPES, FEATURES, GRID_OPTIONS, MODES
-
-    grid = parser.add_argument_group("grid (default: the suite's)")
-    grid.add_argument(
-        "--backends",
-        nargs="+",
-        choices=BACKENDS,
-        metavar="NAME",
-        help=f"among {', '.join(BACKENDS)}",
-    )
-    grid.add_argument(
-        "--modes", nargs="+", choices=MODES, help="forward, or train (forward + backward)"
-    )
-    grid.add_argument("--lengths", nargs="+", type=int, metavar="T", help="key lengths")
-    grid.add_argument(
-        "--dtypes", nargs="+", choices=DTYPES, metavar="DTYPE", help=f"among {', '.join(DTYPES)}"
-    )
-    grid.add_argument("--batch", type=int)
-    grid.add_argument("--heads", type=int, help="query heads")
-    grid.add_argument("--kv-heads", type=int, dest="kv_heads", help="key/value heads")
-    grid.add_argument("--head-size", nargs="+", type=int, dest="head_sizes", metavar="D")
-    grid.add_argument("--causal", action=argparse.BooleanOptionalAction)
-    grid.add_argument(
-        "--window",
-        nargs="+",
-        type=int,
-        dest="windows",
-        metavar="W",
-        help="sliding window (0 = none)",
-    )
-    grid.add_argument(
-        "--q-len",
-        nargs="+",
-        type=int,
-        dest="q_lens",
-        metavar="Q",
-        help="new queries against a cache of LENGTH keys (bottom-right causal)",
-    )
-    grid.add_argument(
-        "--padding",
-        nargs="+",
-        type=float,
-        dest="paddings",
-        metavar="F",
-        help="fraction of keys that are padding (key_lengths)",
-    )
-    grid.add_argument(
-        "--features",
-        nargs="+",
-        type=lambda name: None if name == "none" else name,
-        choices=[*FEATURES, None],
-        metavar="NAME",
-        help=f"structure or score keyword to add: {', '.join(FEATURES)}, or none",
-    )
-    grid.add_argument(
-        "--block", nargs="+", type=int, metavar="B", help="tiled's block: B, or BLOCK_Q BLOCK_K"
-    )
-    grid.add_argument("--repeats", type=int, help="timed calls per measurement")
-    grid.add_argument("--device", help="cpu or cuda")
-    grid.add_argument(
-        "--busy",
-        action="store_const",
-        const=(False, True),
-        help="measure every point twice, idle and beside one CPU-bound competing process that "
-        "the benchmark starts and stops",
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="measure the grid this many times, one fresh process per measurement, backends "
-        "alternating (default 1)",
-    )
-    parser.add_argument(
-        "--no-peak",
-        dest="peak",
-        action="store_false",
-        help="skip the float32 matrix-multiply probe that starts each run (a few seconds)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds per measurement before its worker is killed (default 600)",
-    )
-    parser.add_argument(
-        "--output", help=f"records file (default runs/local/bench-{name}-DEVICE.jsonl)"
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="skip measurements already recorded ok, skipped or unsupported",
-    )
-
-    def run(args: argparse.Namespace) -> int:
-        from octlm.lab.bench.driver import bench
-
-        grid_options = {option: getattr(args, option) for option in GRID_OPTIONS}
-        return bench(
-            name,
-            output=args.output,
-            timeout=args.timeout,
-            resume=args.resume,
-            rounds=args.rounds,
-            peak=args.peak,
-            **grid_options,
-        )
-
-    # A bad option, output or device; a full disk or a failed matmul probe.
-    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1, RuntimeError: 1})
 
 
 def _report_parser(parser: argparse.ArgumentParser) -> None:
@@ -240,9 +132,6 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
         return 0
 
     parser.set_defaults(run=run, exits={FileNotFoundError: 2, ValueError: 2, OSError: 1})
-
-
-# --- octlm train, octlm sample ---------------------------------------------------------------
 
 
 def _train_parser(parser: argparse.ArgumentParser) -> None:
@@ -364,9 +253,6 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
-# --- end of octlm train, octlm sample ---------------------------------------------------------
-
-
 def _export_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm export``: what to export and where."""
     from octlm.export import DTYPES, FORMATS
@@ -423,25 +309,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each verb: the function that adds its options, and its one line in ``octlm --help``.
+VERBS = {
+    "verify": (_verify_parser, "equivalence experiments -> runs/local/*.jsonl"),
+    "bench": (_bench_parser, "one process per measurement -> runs/local/"),
+    "report": (_report_parser, "tables and plots from records"),
+    "train": (_train_parser, "train a model -> a run folder"),
+    "sample": (_sample_parser, "text from a run folder's checkpoint"),
+    "export": (_export_parser, "a run or model file -> transformers folder or GGUF"),
+}
+
+
+def build_parser(verbs: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every verb, with the options of ``verbs`` only (default: all). A verb's
+    options import what it runs, so ``octlm --help`` and ``octlm --version`` build none."""
     from octlm import __version__
 
+    chosen = set(VERBS) if verbs is None else set(verbs)
     parser = _Parser(
         prog="octlm",
         description="Exact attention behind one signature, checked, measured, trained in an LM.",
     )
     parser.add_argument("--version", action="version", version=f"octlm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    _verify_parser(commands.add_parser("verify", help="equivalence experiments -> runs/*.jsonl"))
-    _bench_parser(commands.add_parser("bench", help="one process per measurement -> runs/"))
-    _report_parser(commands.add_parser("report", help="tables and plots from records"))
-    _train_parser(commands.add_parser("train", help="train a model -> a run folder"))
-    _sample_parser(commands.add_parser("sample", help="text from a run folder's checkpoint"))
-    _export_parser(
-        commands.add_parser("export", help="a run or model file -> transformers folder or GGUF")
-    )
-    for verb in commands.choices.values():  # a verb's own parser reports what it does not know
-        verb.set_defaults(parser=verb)
+    for name, (add_options, summary) in VERBS.items():
+        verb = commands.add_parser(name, help=summary)
+        verb.set_defaults(parser=verb)  # a verb's own parser reports what it does not know
+        if name in chosen:
+            add_options(verb)
     return parser
 
 
@@ -452,10 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     from octlm.signals import run_stoppable
 
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(
-        _attached_values(sys.argv[1:] if argv is None else list(argv))
-    )
+    argv = _attached_values(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser(argument for argument in argv[:1] if argument in VERBS)
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the (sub)command that was given them, with its usage
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     exits = getattr(args, "exits", {ValueError: 2})

@@ -9,7 +9,8 @@ Records: docs/design.md, 'Records'.
 - :mod:`octlm.lab.bench.worker`: runs exactly one measurement and prints one JSON line.
 - :mod:`octlm.lab.bench.guard`: children die with their driver; stop signals end a command cleanly;
   the busy mode's competing process.
-- :mod:`octlm.lab.bench.memory`: the score-matrix estimate (the probes are :mod:`octlm.memory`'s).
+- :mod:`octlm.lab.bench.score_memory`: the score-matrix estimate (the probes are
+  :mod:`octlm.memory`'s).
 - :mod:`octlm.lab.bench.decode`, :mod:`~octlm.lab.bench.documents`, :mod:`~octlm.lab.bench.ring`,
   :mod:`~octlm.lab.bench.training`: the program suites (decoding, packed documents, ring
   attention over several processes, ``octlm train`` itself).

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from octlm import records, signals
+from octlm import memory, records, signals
 from octlm.attention.tiled.options import parse_block
-from octlm.lab.bench import guard, memory
+from octlm.lab.bench import guard
+from octlm.lab.bench.score_memory import score_bytes
 from octlm.lab.bench.suites import Measurement, key_of, suite, suite_name
 from octlm.lab.bench.worker import make_record
 
@@ -211,7 +212,7 @@ def _peak(experiment: str, run: str, busy: bool, timeout: float) -> dict:
 
 def _guard(m: Measurement, probe: dict, **where) -> dict | None:
     """A ``skipped`` record when the score matrices cannot fit; ``None`` to go ahead."""
-    need = memory.score_bytes(
+    need = score_bytes(
         m.backend, m.mode, m.batch, m.heads, m.q_len, m.length, getattr(torch, m.dtype)
     )
     if not need:

@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from octlm import records, signals
+from octlm import memory, records, signals
 from octlm.attention import ring_attention, tiled_attention
 from octlm.attention.tiled.options import DEFAULT_BLOCK
 from octlm.context_parallel import DEFAULT_LAYOUT, LAYOUTS
-from octlm.lab.bench import guard, memory, suites
+from octlm.lab.bench import guard, suites
 from octlm.lab.bench.suites import DTYPES, MODES
 from octlm.lab.bench.timing import time_calls
 

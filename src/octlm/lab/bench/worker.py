@@ -25,9 +25,8 @@ from dataclasses import asdict
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from octlm import records
+from octlm import memory, records
 from octlm.attention import IMPLEMENTATIONS, route, sdpa_attention
-from octlm.lab.bench import memory
 from octlm.lab.bench.guard import die_with_parent
 from octlm.lab.bench.suites import Measurement
 from octlm.lab.bench.timing import device_fence, time_calls

@@ -1,13 +1,9 @@
 """What the score matrices of MATH and naive would need, so the driver skips a size that cannot
-fit; the probes themselves are :mod:`octlm.memory`'s (re-exported here for the workers)."""
+fit (the memory probes are :mod:`octlm.memory`'s)."""
 
 from __future__ import annotations
 
 import torch
-
-from octlm.memory import available, baseline, metric, peak
-
-__all__ = ["SCORE_MATRICES", "available", "baseline", "metric", "peak", "score_bytes"]
 
 # Score-sized (batch, heads, q_len, k_len) tensors alive at the peak: scores, mask,
 # probabilities, and in training their gradients; counts rounded up from the peaks measured
