@@ -44,8 +44,8 @@ from torch import Tensor
 
 from octlm.attention.inputs import COMMON, Call, call_of, check, keyword_only
 from octlm.attention.masks import key_range
-from octlm.attention.tiled.backward import attend_backward, slope_gradient
-from octlm.attention.tiled.core import Rules, accumulation_dtype, merge
+from octlm.attention.tiled.backward import attend_backward
+from octlm.attention.tiled.core import Rules, accumulation_dtype, merge, slope_gradient
 from octlm.attention.tiled.forward import attend_forward
 from octlm.attention.tiled.options import DEFAULT_BLOCK, parse_block
 from octlm.context_parallel import (
@@ -200,10 +200,11 @@ def _ring_backward(
     ring: _Ring,
     options: dict,
     alibi_slopes: Tensor | None = None,
-    grad_alibi: Tensor | None = None,
+    moments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq`` for this rank's queries and ``dk``/``dv`` for its own keys, accumulation dtype;
-    the ALiBi slopes' gradient from this rank's rows is added to ``grad_alibi`` when given.
+    each row's ALiBi moments over every key (:func:`~octlm.attention.tiled.core.slope_moments`)
+    are added to ``moments`` when given.
 
     Each step's key/value gradients are handed on with the shard they belong to; the pass of
     one step's gradients overlaps the next step's compute.
@@ -230,7 +231,7 @@ def _ring_backward(
                 lse[:, :, q.span],
                 delta[:, :, q.span],
                 Rules(past=past, documents=documents, alibi_slopes=alibi_slopes, **options),
-                grad_alibi=grad_alibi,
+                moments=None if moments is None else moments[:, :, q.span],
             )
             grad_query[:, :, q.span] += dq
             grad_key[:, :, k.span] += dk
@@ -267,10 +268,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, ids, alibi_slopes, sinks, out, lse = ctx.saved_tensors
         delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)  # (B, H, L)
-        grad_alibi = None
+        moments = None  # (B, H, L, 4)
         if alibi_slopes is not None and ctx.needs_input_grad[4]:
-            groups = query.shape[1] // key.shape[1]
-            grad_alibi = lse.new_zeros(query.shape[0], key.shape[1], groups)  # (B, Hkv, G)
+            moments = lse.new_zeros(*lse.shape, 4, dtype=torch.float64)
         grad_query, grad_key, grad_value = _ring_backward(
             query,
             key,
@@ -282,10 +282,13 @@ class _RingAttention(torch.autograd.Function):
             ctx.ring,
             ctx.options,
             alibi_slopes,
-            grad_alibi,
+            moments,
         )
-        if grad_alibi is not None:
-            grad_alibi = slope_gradient(grad_alibi, alibi_slopes)
+        grad_alibi = None
+        if moments is not None:  # weights exp(score - lse): the sink's is its probability
+            shift = lse.masked_fill(lse == float("-inf"), 0.0).double()  # (B, H, L)
+            sink = None if sinks is None else (sinks.double().view(1, -1, 1) - shift).exp()
+            grad_alibi = slope_gradient(moments, alibi_slopes, sink)
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[5]:
             # A sink takes p = exp(sink - lse) of its row and gives no value: -sum p * delta.

@@ -17,14 +17,8 @@ import torch
 from torch import Tensor
 
 from octlm.attention.inputs import Call, call_of, check, keyword_only
-from octlm.attention.tiled.backward import (
-    attend_backward,
-    delta_error,
-    sink_gradient,
-    sink_share,
-    slope_gradient,
-)
-from octlm.attention.tiled.core import RowStats, Rules, unfold_heads
+from octlm.attention.tiled.backward import attend_backward, delta_error, sink_gradient, sink_share
+from octlm.attention.tiled.core import RowStats, Rules, slope_gradient, unfold_heads
 from octlm.attention.tiled.forward import forward_rows
 from octlm.attention.tiled.options import DEFAULT_BLOCK, KERNELS, parse_block
 
@@ -71,16 +65,13 @@ class _TiledAttention(torch.autograd.Function):
         grad_mask = None
         if mask is not None and ctx.needs_input_grad[3]:
             grad_mask = shift.new_zeros(batch, kv_heads, q_len, group, k_len)
-        grad_alibi = None  # summed in float64, rounded once to the slopes' dtype
+        moments = None  # each row's, for the slopes' gradient (core.slope_moments)
         if alibi_slopes is not None and ctx.needs_input_grad[7]:
-            grad_alibi = shift.new_zeros(batch, kv_heads, group, dtype=torch.float64)
+            moments = shift.new_zeros(batch, heads, q_len, 4, dtype=torch.float64)
         want_sinks = sinks is not None and ctx.needs_input_grad[8]
-        # What the rounded delta leaves in each row's ds, for the slopes and sinks to correct.
-        residue = spread = None
-        if grad_alibi is not None or want_sinks:
+        residue = None  # what the rounded delta leaves in each row's ds, for the sinks
+        if want_sinks:
             residue = shift.new_zeros(batch, kv_heads, q_len, group, dtype=torch.float64)
-        if grad_alibi is not None:
-            spread = torch.zeros_like(residue)
         rows = RowStats(shift, total, ctx.units, ctx.careful, *ctx.tiles)
         grad_query, grad_key, grad_value = attend_backward(
             query,
@@ -91,21 +82,20 @@ class _TiledAttention(torch.autograd.Function):
             delta,
             _rules_with(ctx.rules, *tensors),
             grad_mask=grad_mask,
-            grad_alibi=grad_alibi,
             residue=residue,
-            spread=spread,
+            moments=moments,
         )
         if grad_mask is not None:
             full = (1,) * (4 - mask.dim()) + tuple(mask.shape)
             grad_mask = unfold_heads(grad_mask).sum_to_size(full).view(mask.shape).to(mask.dtype)
-        share = sink_share(rows, sinks)  # (B, H, Q), 0 without sinks
-        error = None if residue is None else delta_error(residue, delta, share)
-        if grad_alibi is not None:  # the used ds is the true one plus p * error: take it out
-            missed = error * unfold_heads(spread)  # (B, H, Q)
-            grad_alibi += missed.view(batch, kv_heads, group, q_len).sum(dim=-1)
-            grad_alibi = slope_gradient(grad_alibi, alibi_slopes)
+        grad_alibi = None
+        if moments is not None:  # natural units (Units.choose): exp(sink - shift) as it is
+            sink = None if sinks is None else (sinks.double().view(1, -1, 1) - shift).exp()
+            grad_alibi = slope_gradient(moments, alibi_slopes, sink)
         grad_sinks = None
         if want_sinks:
+            share = sink_share(rows, sinks)  # (B, H, Q)
+            error = delta_error(residue, delta, share)
             grad_sinks = sink_gradient(share, delta.double() + error).to(sinks.dtype)
         return (
             grad_query.to(query.dtype),

@@ -19,6 +19,7 @@ from octlm.attention.tiled.core import (
     fold,
     fold_keys,
     fold_rows,
+    slope_moments,
     unfold_heads,
 )
 from octlm.attention.tiled.threads import parallel_map
@@ -41,9 +42,8 @@ def attend_backward(
     rules: Rules,
     *,
     grad_mask: Tensor | None = None,
-    grad_alibi: Tensor | None = None,
     residue: Tensor | None = None,
-    spread: Tensor | None = None,
+    moments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one query chunk against one key chunk: the backward block steps.
 
@@ -52,16 +52,15 @@ def attend_backward(
     calls or processes), so each chunk's probabilities ``exp(score - shift) / total`` are
     exact. Returns ``dq (B, H, Q, D)`` and ``dk``/``dv (B, Hkv, K, D)`` in the accumulation
     dtype, summed over each GQA group. When ``grad_mask`` (folded like the mask, full size) is
-    given, the scores' gradient is written into it; when ``grad_alibi`` (``(B, Hkv, G)``,
-    whatever the slopes' shape) is, the gradient of the ALiBi slopes is added to it. Sinks
-    change nothing here (they live in the row statistics); their gradient is
-    :func:`sink_gradient`.
+    given, the scores' gradient is written into it. Sinks change nothing here (they live in the
+    row statistics); their gradient is :func:`sink_gradient`.
 
     ``delta`` comes from the rounded output, so each row's ``ds`` sums to a little more or less
-    than it should; the slopes' and sinks' gradients multiply that residue (by distances, over
-    every row). ``residue`` (``(B, Hkv, Q, G)`` float64, when given) receives what each row's
-    ``ds`` sums to over these keys, and ``spread`` (the same, with ALiBi) each row's mean
-    distance ``sum p * distance``, from which :func:`delta_error` and the caller correct them.
+    than it should, and the sinks' gradient multiplies that residue over every row:
+    ``residue`` (``(B, Hkv, Q, G)`` float64, when given) receives what each row's ``ds`` sums
+    to over these keys, from which :func:`delta_error` corrects it. ``moments`` (``(B, H, Q,
+    4)`` float64, with learned ALiBi slopes) receives each row's
+    :func:`~octlm.attention.tiled.core.slope_moments` over these keys, formed in float64.
     """
     mask, scale, softcap, alibi_slopes = rules.mask, rules.scale, rules.softcap, rules.alibi_slopes
     dtype = accumulation_dtype(query.dtype)
@@ -77,7 +76,7 @@ def attend_backward(
     if lse.whole:
         return whole_backward(
             query, key, value, grad_out, lse, delta, rules,
-            grad_mask=grad_mask, grad_alibi=grad_alibi, residue=residue, spread=spread,
+            grad_mask=grad_mask, residue=residue, moments=moments,
         )  # fmt: skip
     units = lse.units
     float_mask = mask is not None and mask.is_floating_point()
@@ -115,26 +114,19 @@ def attend_backward(
         key_t = key_t.masked_fill(~key_t.isfinite(), 0.0)
         value = value.masked_fill(~value.isfinite(), 0.0)
     grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
+    exact = None if moments is None else _ExactTiles(query, key, value, grad_out, lse, rules)
 
-    def attend(blocks: list[range]) -> tuple[range, Tensor, Tensor, Tensor | None]:
-        """The gradients from a run of query blocks; ``dk``, ``dv`` (and the slopes') summed
-        over them into their own tensors, over the ``seen`` keys, so that runs can go on at
-        once."""
+    def attend(blocks: list[range]) -> tuple[range, Tensor, Tensor]:
+        """The gradients from a run of query blocks; ``dk`` and ``dv`` summed over them into
+        their own tensors, over the ``seen`` keys, so that runs can go on at once."""
         seen = walk.visited_keys(rows_of(blocks))
         grad_key = value.new_zeros(value.shape[0], len(seen), head_size)  # (B*Hkv, K', D)
         grad_value = torch.zeros_like(grad_key)  # (B*Hkv, K', D)
-        # Summed in float64: each is a sum of ds * distance over every score, where ds
-        # cancels (each row's sums to 0) and the distances grow with the length.
-        grad_slopes = None
-        if grad_alibi is not None:
-            grad_slopes = torch.zeros_like(grad_alibi, dtype=torch.float64)
         # Everything per block is kept keys-first, (C, R): probsᵀ, dsᵀ and dqᵀ.
         for rows in blocks:
-            row_residue = row_spread = None
+            row_residue = None
             if residue is not None:  # (B*Hkv, R*G)
                 row_residue = residue.new_zeros(value.shape[0], len(rows) * walk.group)
-            if spread is not None:
-                row_spread = spread.new_zeros(walk.batch, kv_heads, len(rows), walk.group)
             q_block = walk.rows(folded, rows)  # (B, Hkv, R, D [+ 1])
             q_plain = as_3d(q_block[..., :head_size])  # (B*Hkv, R, D), scale * unit * q
             shift_row = as_3d(walk.rows(shift, rows)).transpose(1, 2)  # (B*Hkv, 1, R)
@@ -172,15 +164,6 @@ def attend_backward(
                     )
                 if row_residue is not None:
                     row_residue += grad_scores_t.sum(dim=1, dtype=torch.float64)
-                far = None
-                if grad_alibi is not None or row_spread is not None:
-                    far = walk.distance(rows, columns).unsqueeze(1)  # (R, 1, C)
-                if grad_alibi is not None:  # the bias is -slope * distance
-                    tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
-                    grad_slopes -= _row_sums(tile, far).sum(dim=2)  # (B, Hkv, G)
-                if row_spread is not None:  # sum of exp(score - shift) * distance
-                    weights = walk.unfold_tile(probs_t, rows, columns, transposed=True)
-                    row_spread += _row_sums(weights, far)
                 if softcap is not None:  # through the cap: d tanh = 1 - tanh²
                     tanh = walk.tanh.transpose(1, 2) if rebased else walk.tanh  # (…, C, R)
                     grad_scores_t.mul_(tanh.square_().neg_().add_(1.0))
@@ -192,21 +175,18 @@ def attend_backward(
             here = slice(rows.start, rows.stop)
             if row_residue is not None:  # runs own their rows: no two threads write one
                 residue[:, :, here] += row_residue.view(residue[:, :, here].shape)
-            if row_spread is not None:  # probabilities: over each row's total
-                spread[:, :, here] += row_spread * inverse[:, :, here, :, 0]
-        return seen, grad_key, grad_value, grad_slopes
+            if exact is not None:  # (B, Hkv, G, R, 4)
+                moments.unflatten(1, (kv_heads, -1))[:, :, :, here] += exact.moments(rows)
+        return seen, grad_key, grad_value
 
     parts = parallel_map(attend, walk.groups(), query.device)
     if len(parts[0][0]) == walk.k_len:  # the first run saw every key: it takes the rest
-        (_, grad_key, grad_value, _), rest = parts[0], parts[1:]
+        (_, grad_key, grad_value), rest = parts[0], parts[1:]
     else:
         grad_key, grad_value, rest = torch.zeros_like(value), torch.zeros_like(value), parts
-    for seen, part_key, part_value, _ in rest:  # added in a fixed order
+    for seen, part_key, part_value in rest:  # added in a fixed order
         grad_key[:, seen.start : seen.stop] += part_key
         grad_value[:, seen.start : seen.stop] += part_value
-    for *_, part_slopes in parts:
-        if part_slopes is not None:
-            grad_alibi += part_slopes
     kv_shape = (walk.batch, kv_heads, walk.k_len, head_size)
     grad_key, grad_value = grad_key.view(kv_shape), grad_value.view(kv_shape)
     # grad_key was taken against scale * unit * q; dividing by the unit brings it to scale * q.
@@ -239,14 +219,37 @@ def delta_error(residue: Tensor, delta: Tensor, share: Tensor | float) -> Tensor
     return unfold_heads(residue) - delta.double() * share
 
 
-def slope_gradient(grad_folded: Tensor, slopes: Tensor) -> Tensor:
-    """The slopes' gradient summed as ``(B, Hkv, G)`` by the backward, in the slopes' own shape
-    (``(H,)`` or ``(B, H)``) and dtype."""
-    full = slopes.view(-1, grad_folded.shape[1] * grad_folded.shape[2]).shape  # (1 or B, H)
-    return grad_folded.flatten(1).sum_to_size(full).view(slopes.shape).to(slopes.dtype)
+class _ExactTiles:
+    """A walk's tiles formed again in float64, for the ALiBi slopes' moments: each slope's
+    gradient sums one covariance per row over every score, which float32 scores perturb by up
+    to several times naive's error."""
 
+    def __init__(self, query, key, value, grad_out, rows: RowStats, rules: Rules):
+        kv_heads, dtype = key.shape[1], torch.float64
+        self.queries = fold(query, kv_heads, rules.scale * rows.units.unit, dtype, None)
+        self.walk = BlockWalk(self.queries, fold_keys(key, dtype, None), rules, rows.units,
+                              careful=rows.careful)  # fmt: skip
+        self.shift = fold_rows(rows.shift, kv_heads, dtype)  # (B, Hkv, Q, G, 1), in units
+        self.grad_out = fold(grad_out, kv_heads, 1.0, dtype, None)  # (B, Hkv, Q, G, D)
+        values = as_3d(blockwise(value.to(dtype)))  # (B*Hkv, K, D)
+        self.values = values.masked_fill(~values.isfinite(), 0.0)
 
-def _row_sums(tile: Tensor, far: Tensor) -> Tensor:
-    """``sum over keys of tile * far``: ``(B, Hkv, R, G, C)`` by ``(R, 1, C)`` -> ``(B, Hkv, R,
-    G)``, accumulated in float64 (the products cancel, and their weights grow with length)."""
-    return (tile * far).sum(dim=-1, dtype=torch.float64)
+    def moments(self, rows: range) -> Tensor:
+        """The :func:`~octlm.attention.tiled.core.slope_moments` of ``rows`` over every key
+        they see, ``(B, Hkv, G, R, 4)``."""
+        walk = self.walk
+        queries, grad_out = walk.rows(self.queries, rows), as_3d(walk.rows(self.grad_out, rows))
+        shift = as_3d(walk.rows(self.shift, rows))  # (B*Hkv, R*G, 1)
+        found = self.queries.new_zeros(walk.batch, walk.kv_heads, len(rows), walk.group, 4)
+        for columns in walk.key_blocks(rows):
+            scores = walk.scores(queries, rows, columns)  # (B*Hkv, R*G, C)
+            weights = walk.units.exp_(scores.sub_(shift))  # exp(score - shift)
+            values = self.values[:, columns.start : columns.stop]  # (B*Hkv, C, D)
+            grad_probs = torch.bmm(grad_out, values.transpose(1, 2))  # (B*Hkv, R*G, C)
+            far = walk.distance(rows, columns).unsqueeze(1)  # (R, 1, C)
+            found += slope_moments(
+                walk.unfold_tile(weights, rows, columns, transposed=False),
+                walk.unfold_tile(grad_probs, rows, columns, transposed=False),
+                far,
+            )  # (B, Hkv, R, G, 4)
+        return found.transpose(2, 3)

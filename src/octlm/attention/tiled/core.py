@@ -247,6 +247,35 @@ def fold_slopes(slopes: Tensor | None, kv_heads: int) -> Tensor | None:
     return slopes.view(-1, kv_heads, slopes.shape[-1] // kv_heads)[:, :, None, :, None]
 
 
+def slope_moments(weights: Tensor, grad_probs: Tensor, far: Tensor) -> Tensor:
+    """One tile's share of each row's ALiBi moments, ``(..., 4)`` float64: the sums over its keys
+    of ``e``, ``e * dp``, ``e * far`` and ``e * dp * far``, from float64 ``weights = exp(score -
+    shift)`` and ``grad_probs = grad_out · value`` ``(..., C)`` and distances ``far``. Sums over
+    disjoint keys add up; :func:`slope_gradient` turns a row's into its share of the gradient."""
+    weighted = weights * far  # (..., C)
+    sums = (weights, weights * grad_probs, weighted, weighted * grad_probs)
+    return torch.stack([x.sum(dim=-1) for x in sums], dim=-1)  # (..., 4)
+
+
+def slope_gradient(moments: Tensor, slopes: Tensor, sink: Tensor | None = None) -> Tensor:
+    """d loss / d slopes, in the slopes' own shape (``(H,)`` or ``(B, H)``) and dtype, from each
+    row's :func:`slope_moments` ``(B, H, Q, 4)`` (and its sink's ``exp(sink - shift)``,
+    ``(B, H, Q)``, which joins the sum of weights).
+
+    With ``p = e / Z``, the bias ``-slope * far`` moves the loss by ``-sum p (dp - delta) far``,
+    where ``delta = sum p dp``: minus the covariance of ``dp`` and the distance under ``p``,
+    ``-(sum e dp far - sum e dp * sum e far / Z) / Z``. Each row's is exact from its sums, so
+    tiles, chunks and ranks add their moments and the division comes once.
+    """
+    total, grad_probs, far, both = moments.unbind(dim=-1)  # (B, H, Q) each
+    if sink is not None:
+        total = total + sink
+    total = total.masked_fill(total == 0, 1.0)  # rows that see nothing have no moments
+    per_row = (both - grad_probs * far / total) / total  # (B, H, Q)
+    full = slopes.view(-1, slopes.shape[-1]).shape  # (1 or B, H)
+    return (-per_row.sum(dim=-1)).sum_to_size(full).view(slopes.shape).to(slopes.dtype)
+
+
 def merge(out: Tensor, lse: Tensor, other_out: Tensor, other_lse: Tensor) -> tuple[Tensor, Tensor]:
     """Combine two partial attentions of the same queries over disjoint keys, exactly.
 

@@ -34,6 +34,7 @@ from octlm.attention.tiled.core import (
     Units,
     accumulation_dtype,
     all_finite,
+    slope_moments,
 )
 from octlm.attention.tiled.threads import parallel_map
 
@@ -135,10 +136,10 @@ def _both(visible: Tensor | None, part: Tensor) -> Tensor:
     return part if visible is None else visible & part
 
 
-def _call(query, key, value, rules: Rules, units: Units, careful: bool) -> _Call:
+def _call(query, key, value, rules: Rules, units: Units, careful: bool, dtype=None) -> _Call:
     batch, heads, q_len, head_size = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    dtype = accumulation_dtype(query.dtype)
+    dtype = dtype or accumulation_dtype(query.dtype)
     scale = rules.scale * units.unit
     queries = query.new_empty(query.shape, dtype=dtype)  # (B, H, Q, D), a group is a view
     if scale == 1.0:
@@ -288,19 +289,18 @@ def whole_backward(
     rules: Rules,
     *,
     grad_mask: Tensor | None = None,
-    grad_alibi: Tensor | None = None,
     residue: Tensor | None = None,
-    spread: Tensor | None = None,
+    moments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of a call :func:`whole_forward` computed, as
     :func:`~octlm.attention.tiled.backward.attend_backward` returns them (and fills its
-    ``grad_mask``, ``grad_alibi``, ``residue`` and ``spread``, laid out as there).
+    ``grad_mask``, ``residue`` and ``moments``, laid out as there).
 
     The probabilities are formed again as the forward formed them, ``exp(score - shift)``,
     and ``1 / total`` rides on ``grad_out`` and ``delta``, so no pass over the tile divides.
     The given ``delta`` (``rowsum(grad_out * out)``) serves only where ``residue`` is asked for
-    (learned slopes or sinks, whose gradients correct for its rounding); otherwise each row's
-    delta is summed from its own tile, ``sum(p * dp)``, as naive's backward sums it.
+    (learned sinks, whose gradient corrects for its rounding); otherwise each row's delta is
+    summed from its own tile, ``sum(p * dp)``, as naive's backward sums it.
     """
     call = _call(query, key, value, rules, rows.units, rows.careful)
     dtype = call.queries.dtype
@@ -317,6 +317,10 @@ def whole_backward(
         values = values.masked_fill(~values.isfinite(), 0.0)
     grad_query = torch.empty_like(call.queries)  # (B, Hkv, G*Q, D)
     grad_key, grad_value = (call.keys.new_empty(call.keys.shape) for _ in range(2))
+    exact = None  # the call in float64, for the slopes' moments
+    if moments is not None:
+        exact = _call(query, key, value, rules, rows.units, rows.careful, torch.float64)
+        exact.values = exact.values.masked_fill(~exact.values.isfinite(), 0.0)
 
     def attend(piece: tuple[int, slice]) -> None:
         b, kv = piece
@@ -346,13 +350,8 @@ def whole_backward(
         if residue is not None:  # folded (B, Hkv, Q, G)
             summed = grad_scores.sum(dim=-1, dtype=torch.float64)  # (n*G, Q)
             residue[b, kv] += summed.view(by_group).transpose(1, 2)
-        if grad_alibi is not None:  # the bias is -slope * distance; (B, Hkv, G)
-            moved = (grad_scores * call.far).sum(dim=(-2, -1), dtype=torch.float64)  # (n*G,)
-            grad_alibi[b, kv] -= moved.view(count, group)
-        if spread is not None:  # sum of p * distance, per row
-            weighted = (probs * call.far).sum(dim=-1, dtype=torch.float64)  # (n*G, Q)
-            weighted *= inverse[b, heads]
-            spread[b, kv] += weighted.view(by_group).transpose(1, 2)
+        if moments is not None:
+            moments[b, heads] += _slope_moments(exact, b, kv, grad_out, rows.shift, rules.softcap)
         if tanh is not None:  # through the cap: d tanh = 1 - tanh²
             grad_scores.mul_(tanh.square_().neg_().add_(1.0))
         flat = grad_scores.view(count, -1, k_len)  # (n, G*Q, K)
@@ -362,3 +361,15 @@ def whole_backward(
 
     parallel_map(attend, call.pieces(), query.device)
     return grad_query.view(query.shape), grad_key.div_(call.units.unit), grad_value
+
+
+def _slope_moments(exact: _Call, b: int, kv: slice, grad_out, shift, softcap) -> Tensor:
+    """One piece's :func:`~octlm.attention.tiled.core.slope_moments` ``(n*G, Q, 4)``, its scores
+    and ``dp`` formed again in float64 (each slope's gradient sums one row's covariance over
+    every score, which float32 scores perturb by up to several times naive's error)."""
+    heads = exact.heads(kv)
+    scores, _ = _scores(exact, b, kv, softcap)  # (n*G, Q, K), natural units
+    weights = scores.sub_(shift[b, heads, :, None].double()).exp_()  # (n*G, Q, K)
+    rows = grad_out[b, heads].double().reshape(kv.stop - kv.start, -1, grad_out.shape[-1])
+    grad_probs = torch.bmm(rows, exact.values[b, kv].transpose(1, 2))  # (n, G*Q, K)
+    return slope_moments(weights, grad_probs.view(weights.shape), exact.far)
