@@ -8,6 +8,9 @@ import math
 import os
 import re
 import statistics
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from unittest.mock import ANY
@@ -463,6 +466,39 @@ def test_a_process_that_got_its_cpu_time_is_not_busy_whatever_the_load_average()
     starved = {**after_a_busy_one, "cpu_seconds": 1.0}
     assert busy_reason(starved) == "got 50% of its 2 threads' CPU time"
     assert busy_reason({"load_before": 3.1, "cpus": 2}) == "load 3.10 on 2 CPUs"
+
+
+def test_busy_means_other_processes_took_cpu_time_not_that_the_call_used_one_thread():
+    """A kernel that keeps one thread of two busy gets half its threads' time on an idle
+    machine; what marks a figure is the CPU time other processes used while it was timed."""
+    one_thread = timed("flash", 0.5, cpu_seconds=1.0, wall_seconds=1.0, load_before=3.5, cpus=2)
+    assert busy_reason({**one_thread, "others_seconds": 0.05}) is None
+    crowded = {**one_thread, "others_seconds": 0.9}
+    assert busy_reason(crowded) == "other processes used 0.90 CPUs meanwhile"
+
+
+def test_timing_counts_the_cpu_time_of_a_competing_process():
+    from octlm.lab.bench.timing import machine_cpu_seconds, time_calls
+
+    if machine_cpu_seconds() is None:
+        pytest.skip("no /proc/stat")
+
+    def spent(pid: int) -> float:  # utime + stime of ``pid``, in seconds
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        before = spent(competitor.pid)
+        crowded = time_calls(lambda: time.sleep(0.25), 2)
+        used = spent(competitor.pid) - before
+    finally:
+        competitor.kill()
+        competitor.wait()
+    # every CPU second the competitor spent in the timed span is another process's
+    assert used > 0.05
+    assert crowded.others_seconds >= 0.8 * used - 0.02
 
 
 def test_contention_compares_each_backends_growth_under_the_busy_mode(tmp_path):

@@ -76,7 +76,10 @@ SHAPED = {
     "round": (int,),
     "run": (str, type(None)),
     "threads": (int, type(None)),
-    **dict.fromkeys(("cpu_seconds", "wall_seconds", "load_before", "load_after"), SOME_NUMBER),
+    **dict.fromkeys(
+        ("cpu_seconds", "wall_seconds", "others_seconds", "load_before", "load_after"),
+        SOME_NUMBER,
+    ),
     "cpus": (int, type(None)),
 }
 # What a measurement can end as (bench and ring records).

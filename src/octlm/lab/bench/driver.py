@@ -138,7 +138,11 @@ def run(
                         measurement, probe, timeout, **where
                     )
                     records.append(output, record)
-                    if record["status"] != "ok":
+                    if record["status"] == "unsupported":  # a fact of this machine's torch
+                        progress.write(
+                            f"{measurement.label()}: not supported by this torch (recorded)"
+                        )
+                    elif record["status"] != "ok":
                         progress.write(
                             f"{measurement.label()}: {record['status']}: {record['reason']}"
                         )

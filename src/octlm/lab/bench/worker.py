@@ -47,6 +47,7 @@ RESULT_FIELDS = (
     "load_after",
     "cpu_seconds",
     "wall_seconds",
+    "others_seconds",
     "pid",
 )  # the CPU count is the machine's, in every record's context
 # The fixed forms of the structure features (see suites.FEATURES).
@@ -257,6 +258,7 @@ def _run(m: Measurement) -> dict:
         "load_after": timed.load_after,
         "cpu_seconds": timed.cpu_seconds,
         "wall_seconds": timed.wall_seconds,
+        "others_seconds": timed.others_seconds,
     }
 
 
@@ -282,6 +284,8 @@ def matmul_peak(
         **timing,
         load_before=timed.load_before,
         load_after=timed.load_after,
+        others_seconds=timed.others_seconds,
+        wall_seconds=timed.wall_seconds,
         pid=os.getpid(),
     )
 

@@ -173,20 +173,35 @@ def backend_label(record: dict) -> str:
     return f"{record['backend']} {block[0]}×{block[1]}"
 
 
-# A measurement was taken on a busy machine when its process got less than MIN_CPU_SHARE of the
-# CPU time its threads could have used. Records without CPU times (older ones, matmul probes)
-# fall back on the one-minute load average before them exceeding the CPU count by more than
-# BUSY_LOAD: a trailing average, which still counts a competing process for a minute after it
-# stopped, so it is not used where the share is known.
+# A measurement was taken on a busy machine when other processes used more than MAX_OTHERS
+# CPUs on average while it was timed (``others_seconds`` over its wall time). A process's own
+# share of its threads' time is no such sign: a kernel that runs on one thread of two gets half
+# on an idle machine. Records without that field (older ones) fall back on that share falling
+# under MIN_CPU_SHARE, and those without CPU times on the one-minute load average before them
+# exceeding the CPU count by more than BUSY_LOAD: a trailing average, which still counts a
+# competing process for a minute after it stopped, so it is not used where better is known.
+MAX_OTHERS = 0.25
 BUSY_LOAD = 0.5
 MIN_CPU_SHARE = 0.75
 # What a record says of the load it was measured under.
-LOAD_FIELDS = ("cpu_seconds", "wall_seconds", "threads", "load_before", "load_after")
+LOAD_FIELDS = (
+    "cpu_seconds",
+    "wall_seconds",
+    "others_seconds",
+    "threads",
+    "load_before",
+    "load_after",
+)
 
 
 def busy(record: dict) -> str | None:
     """Why ``record`` was measured on a busy machine, or ``None`` (also when it does not say)."""
-    cpu, wall, threads = (record.get(k) for k in ("cpu_seconds", "wall_seconds", "threads"))
+    others, wall = record.get("others_seconds"), record.get("wall_seconds")
+    if others is not None and wall:
+        if others / wall > MAX_OTHERS:
+            return f"other processes used {others / wall:.2f} CPUs meanwhile"
+        return None
+    cpu, threads = record.get("cpu_seconds"), record.get("threads")
     if cpu is not None and wall and threads:
         share = cpu / (wall * threads)
         if share < MIN_CPU_SHARE:
