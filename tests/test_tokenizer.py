@@ -218,3 +218,27 @@ def test_importing_octlm_leaves_tokenizers_out():
         "sys.exit('tokenizers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+HARD_CUTS = [
+    "word   \t  \r\n\r\n   word\n\n\n  x",  # long whitespace runs and CRLF
+    "caf\u00e9 \u00e9t\u00e9 \u4e2d\u6587 \U0001f600 \U0001f600\n\u00e0 b",  # multi-byte characters
+    "a b\nc d " * 40 + "end\u3000\u3000 x\u00a0y",  # Unicode spaces, which are no place to cut
+]
+
+
+@pytest.mark.parametrize("text", HARD_CUTS)
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_a_long_text_encoded_in_pieces_equals_it_encoded_whole(bpe, monkeypatch, text, chunk):
+    data = text.encode() * 3 + b"\xff\xfe tail \x80"  # and bytes that are not UTF-8
+    chunks = [data[i : i + chunk] for i in range(0, len(data), chunk)]
+    monkeypatch.setattr(bpe, "_piece", 5)  # pieces of a few characters: cuts everywhere
+    pieces = list(bpe.encode_stream(iter(chunks)))
+    assert len(pieces) > 1
+    assert [i for piece in pieces for i in piece] == bpe.encode(data)
+    assert b"".join(ByteTokenizer().encode_stream(iter(chunks))) == data
+
+
+def test_a_batch_encodes_as_each_text_alone(bpe):
+    texts = [t.encode() for t in HARD_CUTS] + [b"\xff not utf-8", b""]
+    assert bpe.encode_batch(texts) == [bpe.encode(t) for t in texts]

@@ -22,7 +22,7 @@ from tests.training_helpers import configs, file_hashes, write_corpus
         ("missing", "does not exist"),
         ("no-match", "no file matching glob"),
         ("all-empty", "every matched file is empty"),
-        ("one-document", "the train split is empty"),
+        ("one-document", "the training split is empty"),
         ("too-short", "too few for one sequence"),
         ("float16-on-cpu", "float16 needs CUDA"),
         ("batch-split", "multiple of data-parallel ranks x accumulate"),
@@ -36,7 +36,7 @@ def test_bad_data_and_runs_raise(tmp_path, case, message):
     if case == "missing":
         run["data"] = str(tmp_path / "nothing")
     elif case == "no-match":
-        (corpus / "a.md").write_text("text")
+        (corpus / "a.csv").write_text("text")
     elif case == "all-empty":
         (corpus / "a.txt").write_text("")
     elif case == "one-document":  # a folder of one document, held out by its hash

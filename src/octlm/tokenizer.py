@@ -31,16 +31,24 @@ its maximal valid UTF-8 runs and the single bytes between them (the bytes Python
 of its own symbol. ``decode`` writes every token's symbols back as bytes, whatever they
 spell, so the bytes come back exactly, valid UTF-8 or not.
 
+Long documents are encoded a piece at a time (:func:`text_pieces`): pieces are cut only at a
+single space or line break between two characters that are not whitespace, where GPT-2's
+pre-tokenizer starts a new word whichever side of the cut the text lies (its pattern looks
+ahead, never behind), so the tokens equal those of the whole text. A document of more than
+:data:`LONGEST_WORD` characters with no such place is cut there anyway. Many short documents
+are encoded together (``encode_batch``), on every core the ``tokenizers`` library uses.
+
 ``load_tokenizer(folder)`` gives a run folder's tokenizer: a folder with ``tokenizer.json`` is
 a BPE run, one without is a byte run. ``tokenizers`` is imported on the BPE paths only.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -56,6 +64,10 @@ RUN_CONFIG = "config.json"  # a run folder's configuration: its model's vocab_si
 STORING = f".{TOKENIZER_FILE}.tmp"  # tokenizer.json while it is written (then renamed)
 # One byte that is not UTF-8, as decoding with surrogateescape leaves it (U+DC80..U+DCFF).
 ESCAPED = re.compile("([\udc80-\udcff])")
+# Where a long text may be cut without changing its tokens (see the module docstring).
+CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
+PIECE = 1 << 20  # characters of a long document encoded at a time
+LONGEST_WORD = 64 * PIECE  # a text with no place to cut is cut here anyway
 
 
 def byte_symbols() -> list[str]:
@@ -124,6 +136,14 @@ class ByteTokenizer:
     def encode(self, data: bytes) -> list[int]:
         return list(_checked_data(data))
 
+    def encode_batch(self, texts: list[bytes]) -> list[bytes]:
+        """Each text's tokens: its bytes."""
+        return texts
+
+    def encode_stream(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        """The tokens of one text given in ``chunks``: the chunks themselves."""
+        return iter(chunks)
+
     def decode(self, ids) -> bytes:
         return bytes(_checked_ids(ids, self.vocab_size))
 
@@ -142,7 +162,10 @@ class BPETokenizer:
     name = "bpe"
 
     def __init__(self, tokenizer, where: str = "the tokenizer"):
-        _check_byte_level(json.loads(tokenizer.to_str()), where)
+        spec = json.loads(tokenizer.to_str())
+        _check_byte_level(spec, where)
+        # Without GPT-2's pattern a text is one word: it is encoded whole, never cut.
+        self._piece = PIECE if spec["pre_tokenizer"].get("use_regex", True) else None
         tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a text is text
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
@@ -220,13 +243,38 @@ class BPETokenizer:
         return cls(tokenizer, repr(str(path)))
 
     def encode(self, data: bytes) -> list[int]:
+        return self._encode_text(_checked_data(data).decode("utf-8", errors="surrogateescape"))
+
+    def _encode_text(self, text: str) -> list[int]:
+        """The ids of ``text``, whose bytes that are not UTF-8 are surrogate escapes."""
         ids: list[int] = []
-        for index, piece in enumerate(_valid_runs(_checked_data(data))):
+        for index, piece in enumerate(ESCAPED.split(text)):
             if index % 2:  # a byte that is not UTF-8: the token of its symbol
                 ids.append(self._byte_ids[ord(piece) - 0xDC00])
             elif piece:
                 ids += self._tokenizer.encode(piece, add_special_tokens=False).ids
         return ids
+
+    def encode_batch(self, texts: list[bytes]) -> list[list[int]]:
+        """Each text's ids, as :meth:`encode` gives them, encoded together on every core."""
+        decoded, odd = [], []
+        for index, data in enumerate(texts):
+            try:
+                decoded.append(data.decode())
+            except UnicodeDecodeError:  # bytes that are not UTF-8: encoded on their own
+                decoded.append("")
+                odd.append(index)
+        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        found = [encoding.ids for encoding in encode(decoded, add_special_tokens=False)]
+        for index in odd:
+            found[index] = self.encode(texts[index])
+        return found
+
+    def encode_stream(self, chunks: Iterable[bytes]) -> Iterator[list[int]]:
+        """The ids of one text given in ``chunks``, a piece at a time: together, those of
+        :meth:`encode` of the whole text."""
+        for text in text_pieces(chunks, self._piece):
+            yield self._encode_text(text)
 
     def decode(self, ids) -> bytes:
         return b"".join(self._pieces[i] for i in _checked_ids(ids, self.vocab_size))
@@ -248,6 +296,35 @@ class BPETokenizer:
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
+
+
+def text_pieces(chunks: Iterable[bytes], size: int | None = PIECE) -> Iterator[str]:
+    """The text of the bytes in ``chunks`` (bytes that are not UTF-8 as surrogate escapes), in
+    pieces of about ``size`` characters cut where :data:`CUT` allows (None: whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    text = ""
+    for chunk in chunks:
+        text += decoder.decode(chunk)
+        while size is not None and len(text) >= size:
+            cut = _last_cut(text) or (LONGEST_WORD if len(text) >= LONGEST_WORD else 0)
+            if not cut:
+                break
+            yield text[:cut]
+            text = text[cut:]
+    text += decoder.decode(b"", final=True)
+    if text:
+        yield text
+
+
+def _last_cut(text: str) -> int:
+    """The last place :data:`CUT` allows in ``text`` (past its first character), or 0."""
+    window = 4096
+    while True:
+        start = max(len(text) - window, 1)
+        found = [match.start() for match in CUT.finditer(text, start)]
+        if found or start == 1:
+            return found[-1] if found else 0
+        window *= 16
 
 
 def _valid_runs(data: bytes) -> list[str]:

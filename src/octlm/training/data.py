@@ -1,22 +1,33 @@
-"""Training data: text files -> one token file per split, memory-mapped.
+"""Training data: a corpus -> one token file per split, memory-mapped.
 
-A corpus is one text file or a folder of files matched by a recursive glob; each file is a
-document. A document goes to validation when a hash of its path (relative to the corpus root)
-falls below the validation share, so the split is the same on every machine and in every run,
-whatever order the files are found in. A single file is one document: its last ``val_share`` of
-bytes is held out instead.
+A corpus is one file or a folder of files matched by a recursive glob, in any format
+:mod:`octlm.training.corpus` reads (text, JSON Lines, JSON, Parquet, Arrow; plain or
+compressed); its readers give documents, and one pipeline here splits, tokenises and writes
+them, whatever their format, streaming: no file, long text or token list is held whole.
+
+The split is the same on every machine and in every run, whatever order files are found in:
+
+- a file that is one document (a text file, with no ``--separator``) goes to validation when a
+  hash of its path (relative to the corpus root) falls below the validation share;
+- a record of a file of many (a JSON line, a Parquet row, a part of a separated text file) goes
+  there when a hash of (its file's relative path, its index in the file) does;
+- a corpus that is one document (one text file, no separator) holds out its last
+  ``val_share`` of bytes instead, as nanoGPT's shakespeare split does.
+
+``data.json`` names the rule a corpus was split by (``split``).
 
 Tokens are the bytes themselves (vocabulary 256), or the ids of the run's BPE
 (:mod:`octlm.tokenizer`), which encodes each document on its own, so documents start on token
 boundaries, and ends each with its end-of-text token (the head of a single file held out at its
 tail is no end, and gets none); a window of the token stream that straddles two documents sees
-where one ends, and a packed row predicts its documents' ends. They are written once to
-``train.bin`` and ``val.bin`` as unsigned ints of the smallest width that holds the vocabulary
+where one ends, and a packed row predicts its documents' ends. They are written as they are made
+to ``train.bin`` and ``val.bin`` as unsigned ints of the smallest width that holds the vocabulary
 (uint8 for bytes, uint16 up to 65,536 tokens; the dtype is in ``data.json``) and read back
 with ``torch.from_file``, a memory map: a corpus larger than memory costs only the pages that
 batches touch. Beside each, ``train.starts.bin``
 and ``val.starts.bin`` hold where each document starts (int64 offsets, in tokens), for packed
-batches.
+batches. Each file is written under a temporary name and renamed once all are whole, so an
+error or a signal leaves no half-written file and an earlier folder's files as they were.
 
 A batch's rows are either random windows of the token stream (``Batches``), which may straddle
 documents, or whole documents packed into rows and kept apart by ``document_ids``
@@ -30,7 +41,7 @@ import json
 import os
 import sysconfig
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -38,25 +49,37 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from octlm.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer
+from octlm.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer, text_pieces
+from octlm.training import corpus
+from octlm.training.corpus import DEFAULT_GLOB, SKIPPED_FOLDERS, Formats
+
+__all__ = ["DEFAULT_GLOB", "SKIPPED_FOLDERS", "Formats"]
 
 SPLITS = ("train", "val")
-DEFAULT_GLOB = "**/*.txt"
 STDLIB_GLOB = "**/*.py"
-# Installed packages are not the standard library, wherever an interpreter keeps them.
-SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 SUMMARY = "data.json"
 STARTS = "{split}.starts.bin"
+TOKEN_FILES = tuple(
+    name.format(split=split) for split in SPLITS for name in ("{split}.bin", STARTS)
+)
 # Every file write_tokens may leave in its folder: a folder of nothing else is octlm's own.
 OWN_FILES = frozenset(
-    {SUMMARY}
-    | {name.format(split=split) for split in SPLITS for name in ("{split}.bin", STARTS)}
-    | {f".{split}.bin.tmp" for split in SPLITS}
+    {SUMMARY, *TOKEN_FILES} | {f".{name}.tmp" for name in (*TOKEN_FILES, SUMMARY)}
 )
 IGNORED = -100  # a target that counts for nothing (F.cross_entropy's default ignore_index)
 # Token file dtypes, narrowest first, and the array typecode of each width.
 DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32}
 TYPECODES = {1: "B", 2: "H", 4: next(code for code in "IL" if array(code).itemsize == 4)}
+BATCH_BYTES = 1 << 20  # short documents are encoded together, this many bytes at a time
+DEFAULT_TOKENIZER_SAMPLE = 200 * 10**6  # bytes of training text a BPE learns from at most
+# How the split was made (data.json's "split"), by what the corpus holds.
+RULES = {
+    "tail": "its one document's last share of bytes",
+    "file": "a hash of each file's path",
+    "record": "a hash of each record's file and index",
+    "file and record": "a hash of each one-document file's path, and of each record's file "
+    "and index",
+}
 
 
 def default_corpus() -> tuple[Path, str]:
@@ -73,26 +96,22 @@ def token_dtype(vocab_size: int) -> str:
 
 def find_documents(path: str | os.PathLike, glob: str) -> list[Path]:
     """The files of a corpus, sorted: ``path`` itself, or the files under it matching ``glob``."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"data {str(path)!r} does not exist: expected a text file or a folder")
-    if path.is_file():
-        return [path]
-    files = sorted(
-        file
-        for file in path.glob(glob)
-        if file.is_file() and not SKIPPED_FOLDERS.intersection(file.relative_to(path).parts)
-    )
-    if not files:
-        raise ValueError(f"data folder {str(path)!r} has no file matching glob {glob!r}")
-    return files
+    return corpus.find_files(path, glob)
 
 
 def path_fraction(relative: Path) -> float:
     """A document's place in [0, 1): the hash of its path relative to the corpus root."""
     # fsencode: a name that is not UTF-8 hashes as its own bytes, a UTF-8 one as its encoding
-    digest = hashlib.sha256(os.fsencode(relative.as_posix())).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+    return _fraction(os.fsencode(relative.as_posix()))
+
+
+def record_fraction(relative: Path, index: int) -> float:
+    """A record's place in [0, 1): the hash of its file's relative path and its index there."""
+    return _fraction(os.fsencode(relative.as_posix()) + b"\0" + str(index).encode())
+
+
+def _fraction(key: bytes) -> float:
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2**64
 
 
 def held_out(relatives: list[Path], val_share: float) -> set[Path]:
@@ -110,34 +129,151 @@ def held_out(relatives: list[Path], val_share: float) -> set[Path]:
     return chosen
 
 
-def _corpus(path: str | os.PathLike, glob: str, val_share: float):
-    """The corpus root, its documents, and those of them held out (none for a single file)."""
-    path = Path(path)
-    documents = find_documents(path, glob)
-    validation = (
-        held_out([d.relative_to(path) for d in documents if d.stat().st_size], val_share)
-        if path.is_dir()
-        else set()
+@dataclass(frozen=True)
+class Corpus:
+    """A corpus's files and how its documents are read and split."""
+
+    root: Path
+    files: list[Path]
+    val_share: float
+    formats: Formats
+    validation: frozenset[Path]  # the one-document files held out (relative to root)
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike, glob: str, val_share: float, formats: Formats | None = None
+    ) -> Corpus:
+        """The corpus at ``path``; ValueError when it does not exist or holds no file."""
+        root, formats = Path(path), formats or Formats()
+        files = find_documents(root, glob)
+        whole = [f for f in files if corpus.is_whole(f, formats)]
+        sized = [f.relative_to(root) for f in whole if f.stat().st_size] if root.is_dir() else []
+        return cls(root, files, val_share, formats, frozenset(held_out(sized, val_share)))
+
+    @property
+    def rule(self) -> str:
+        """How the corpus is split: a key of :data:`RULES`."""
+        if self.root.is_file() and corpus.is_whole(self.root, self.formats):
+            return "tail"
+        kinds = {"file" if corpus.is_whole(f, self.formats) else "record" for f in self.files}
+        return "file and record" if len(kinds) == 2 else kinds.pop()
+
+    def relative(self, file: Path) -> Path:
+        """A file's path relative to the corpus root (its name, for a corpus of one file)."""
+        return Path(file.name) if self.root.is_file() else file.relative_to(self.root)
+
+    def check_files(self) -> None:
+        """Raise ValueError where the files alone show the corpus cannot be split: every
+        one-document file empty, or none of them left for training."""
+        if self.rule == "tail" and not self.files[0].stat().st_size:
+            raise ValueError(f"data {str(self.root)!r} is empty")
+        if self.rule != "file":
+            return
+        sizes = {self.relative(f): f.stat().st_size for f in self.files}
+        if not any(sizes.values()):
+            raise ValueError(f"data {str(self.root)!r}: every matched file is empty ({len(sizes)})")
+        if not any(size for name, size in sizes.items() if name not in self.validation):
+            raise ValueError(
+                f"data {str(self.root)!r}: the training split is empty (its only non-empty file "
+                f"is held out for validation at --val-share {self.val_share}); add files"
+            )
+
+    def parts(self) -> Iterator[Part]:
+        """Every document's text and its split, in corpus order (a corpus of one document:
+        its head for training, its tail, which ends it, for validation)."""
+        if self.rule == "tail":
+            yield from self._head_and_tail(self.files[0])
+            return
+        for file in self.files:
+            relative = self.relative(file)
+            for document in corpus.read(file, relative, self.formats):
+                if document.index is None:
+                    held = relative in self.validation
+                else:
+                    held = record_fraction(relative, document.index) < self.val_share
+                key = os.fsencode(relative.as_posix()) + f"\0{document.index}".encode()
+                yield Part("val" if held else "train", document.text, True, key)
+
+    def _head_and_tail(self, file: Path) -> Iterator[Part]:
+        length = corpus.text_length(file)
+        cut = length - int(length * self.val_share)
+        documents = corpus.read(file, self.relative(file), self.formats)  # open while read
+        head, tail = _cut(next(documents).text, cut)
+        key = os.fsencode(self.relative(file).as_posix())
+        yield Part("train", head, False, key)
+        yield Part("val", tail, True, key)
+
+
+def _cut(text: Iterable[bytes], at: int) -> tuple[Iterator[bytes], Iterator[bytes]]:
+    """The pieces of a text before byte ``at``, and after it (read once the first are)."""
+    blocks, rest = iter(text), []
+
+    def head() -> Iterator[bytes]:
+        seen = 0
+        for block in blocks:
+            if seen + len(block) >= at:
+                yield block[: at - seen]
+                rest.append(block[at - seen :])
+                return
+            seen += len(block)
+            yield block
+
+    return head(), (piece for part in (rest, blocks) for piece in part)
+
+
+class Part(NamedTuple):
+    """A document's text (or its head or tail) and where it goes."""
+
+    split: str
+    text: Iterable[bytes]
+    ends: bool  # whether the document ends here (and gets the end-of-text token)
+    key: bytes  # its file's relative path and index there: what samples hash
+
+
+def training_texts(
+    path: str | os.PathLike,
+    glob: str,
+    val_share: float,
+    *,
+    formats: Formats | None = None,
+    sample: int | None = DEFAULT_TOKENIZER_SAMPLE,
+) -> Iterator[bytes]:
+    """The texts a tokenizer learns from: the training documents (of a single file, its head),
+    in corpus order and in pieces of at most about a megabyte, so that validation text stays
+    unseen. Above ``sample`` bytes of corpus (None: no limit), a share of the pieces chosen by
+    the hash of their place, up to ``sample`` bytes.
+
+    The corpus is checked here, before any text is read: ValueError for a path that does not
+    exist, a folder without matching files, or files that leave no training text.
+    """
+    found = Corpus.open(path, glob, val_share, formats)
+    found.check_files()
+    return _training_texts(found, sample)
+
+
+def _training_texts(found: Corpus, sample: int | None) -> Iterator[bytes]:
+    share = 1.0 if sample is None else min(1.0, sample / max(_estimated_bytes(found), 1))
+    given = 0
+    for part in found.parts():
+        if part.split != "train":
+            continue
+        for index, text in enumerate(text_pieces(part.text)):
+            if share < 1 and _fraction(part.key + f"#{index}".encode()) >= share:
+                continue
+            data = text.encode("utf-8", errors="surrogateescape")
+            yield data
+            given += len(data)
+            if sample is not None and given >= sample:
+                return
+
+
+def _estimated_bytes(found: Corpus) -> int:
+    """About how many bytes the corpus's texts hold: a compressed file's (or Parquet's) size
+    times 4."""
+    squeezed = [corpus.compression_of(f) or corpus.format_of(f) == "parquet" for f in found.files]
+    return sum(
+        f.stat().st_size * (4 if s else 1) for f, s in zip(found.files, squeezed, strict=True)
     )
-    return path, documents, validation
-
-
-def _parts(path: Path, document: Path, text: bytes, validation, val_share) -> dict[str, bytes]:
-    """Where a document's bytes go: its split, or for a single file, head and tail."""
-    if path.is_file():  # one document: hold out its tail
-        cut = len(text) - int(len(text) * val_share)
-        return {"train": text[:cut], "val": text[cut:]}
-    return {"val" if document.relative_to(path) in validation else "train": text}
-
-
-def training_texts(path: str | os.PathLike, glob: str, val_share: float) -> Iterator[bytes]:
-    """The bytes of each training document (of a single file, its head), in corpus order:
-    what a tokenizer learns from, so that validation text stays unseen."""
-    path, documents, validation = _corpus(path, glob, val_share)
-    for document in documents:
-        part = _parts(path, document, document.read_bytes(), validation, val_share).get("train")
-        if part:
-            yield part
 
 
 def write_tokens(
@@ -147,85 +283,170 @@ def write_tokens(
     folder: str | os.PathLike,
     tokenizer: ByteTokenizer | BPETokenizer | None = None,
     progress: Callable[[int], object] | None = None,
+    *,
+    formats: Formats | None = None,
 ) -> dict:
     """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus, encoded by
-    ``tokenizer`` (default: bytes), telling ``progress`` each document's bytes once encoded,
+    ``tokenizer`` (default: bytes), telling ``progress`` each document's bytes once read,
     and where each document starts in them
     (``folder/train.starts.bin``, ``folder/val.starts.bin``); return the corpus's summary.
 
     The summary (also saved as ``folder/data.json``) counts documents, bytes and tokens per
-    split and the empty files skipped, and names the tokenizer, its vocabulary and the token
-    dtype. Raises ValueError for an empty corpus or an empty split.
+    split and the empty documents skipped, names the tokenizer, its vocabulary and the token
+    dtype, the split's rule, the formats' options and the corpus's files (names, sizes and
+    modification times: its fingerprint). Raises ValueError for an empty corpus or an empty
+    split, or a file that cannot be read as its format, naming it.
     """
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     folder = Path(folder)
-    path, documents, validation = _corpus(path, glob, val_share)
+    found = Corpus.open(path, glob, val_share, formats)
+    found.check_files()
     folder.mkdir(parents=True, exist_ok=True)
-    summary = {"source": str(path), "glob": glob, "val_share": val_share, "empty_skipped": 0}
+    summary = {"source": str(found.root), "glob": glob, "val_share": val_share}
+    summary |= {"split": found.rule, "formats": _options(found), "empty_skipped": 0}
     summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
     summary |= {f"{split}_tokens": 0 for split in SPLITS}
     summary |= {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size}
     summary["end_token"] = tokenizer.end_token  # the id that ends each document, or None
     summary["dtype"] = token_dtype(tokenizer.vocab_size)
-    temporary = {split: folder / f".{split}.bin.tmp" for split in SPLITS}
+    summary["files"] = fingerprint(found)
+    typecode = TYPECODES[DTYPES[summary["dtype"]].itemsize]
+    writers = {split: _SplitWriter(folder, split, typecode, summary) for split in SPLITS}
     try:
-        summary = _write_splits(
-            path, documents, validation, summary, temporary, tokenizer, progress
-        )
+        try:
+            _write_splits(found, tokenizer, writers, summary, progress or (lambda size: None))
+        finally:
+            for writer in writers.values():
+                writer.close()
+        _check_splits(found, summary)
+        (folder / SUMMARY).unlink(missing_ok=True)  # an earlier folder's: its files go now
+        for name in TOKEN_FILES:
+            os.replace(folder / f".{name}.tmp", folder / name)
+        write_summary(folder, summary)
     except BaseException:  # nothing half-written stays behind
-        for file in temporary.values():
-            file.unlink(missing_ok=True)
+        for name in TOKEN_FILES:
+            (folder / f".{name}.tmp").unlink(missing_ok=True)
         raise
-    for split in SPLITS:
-        os.replace(temporary[split], folder / f"{split}.bin")
-    (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _write_splits(path, documents, validation, summary, temporary, tokenizer, progress) -> dict:
-    """Write each split's tokens to its ``temporary`` file and its document offsets to their
-    final place; the summary counted, or a ValueError for an empty corpus or split."""
-    folder, val_share = next(iter(temporary.values())).parent, summary["val_share"]
-    typecode = TYPECODES[DTYPES[summary["dtype"]].itemsize]
-    outputs = {split: file.open("wb") for split, file in temporary.items()}
-    starts = {split: array("q") for split in SPLITS}  # int64 offsets of documents
-    try:
-        for document in documents:
-            text = document.read_bytes()
-            if not text:
-                summary["empty_skipped"] += 1
+def _options(found: Corpus) -> dict:
+    """The format options that shaped the corpus's documents."""
+    return {"text_field": found.formats.text_field, "separator": found.formats.separator}
+
+
+def fingerprint(found: Corpus) -> list[list]:
+    """Each file of a corpus as [relative path, size, modification time in ns]: what tells a
+    corpus changed since its tokens were written."""
+    return [
+        [found.relative(f).as_posix(), f.stat().st_size, f.stat().st_mtime_ns] for f in found.files
+    ]
+
+
+def write_summary(folder: Path, summary: dict) -> None:
+    """Write ``folder/data.json`` under a temporary name, then rename it into place."""
+    temporary = folder / f".{SUMMARY}.tmp"
+    temporary.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(temporary, folder / SUMMARY)
+
+
+class _SplitWriter:
+    """One split's token and offset files, written as documents come, under temporary names."""
+
+    def __init__(self, folder: Path, split: str, typecode: str, summary: dict):
+        self.split, self.typecode, self.summary = split, typecode, summary
+        self.tokens = (folder / f".{split}.bin.tmp").open("wb")
+        self.starts = (folder / f".{STARTS.format(split=split)}.tmp").open("wb")
+
+    def write(self, pieces: Iterable, size: int, end_token: int | None) -> None:
+        """One document (or its head or tail) of ``size`` bytes, from its tokens in
+        ``pieces``, then ``end_token`` (None: no end)."""
+        count = f"{self.split}_tokens"
+        self.starts.write(array("q", [self.summary[count]]))
+        for ids in pieces:
+            self.tokens.write(ids if isinstance(ids, bytes) else array(self.typecode, ids))
+            self.summary[count] += len(ids)
+        if end_token is not None:
+            self.tokens.write(array(self.typecode, [end_token]))
+            self.summary[count] += 1
+        self.summary[f"{self.split}_documents"] += 1
+        self.summary[f"{self.split}_bytes"] += size
+
+    def close(self) -> None:
+        self.tokens.close()
+        self.starts.close()
+
+
+def _write_splits(found: Corpus, tokenizer, writers: dict, summary: dict, progress) -> None:
+    """Encode every document into its split's writer: short ones together, in batches of
+    about :data:`BATCH_BYTES`, long ones a piece at a time; in corpus order."""
+    pending: list[tuple[Part, bytes]] = []  # short documents waiting to be encoded
+
+    def end_of(part: Part) -> int | None:
+        return tokenizer.end_token if part.ends else None
+
+    def flush() -> None:
+        encoded = tokenizer.encode_batch([text for _, text in pending])
+        for (part, text), ids in zip(pending, encoded, strict=True):
+            writers[part.split].write([ids], len(text), end_of(part))
+        progress(sum(len(text) for _, text in pending))
+        pending.clear()
+
+    def counted(chunks: Iterator[bytes], size: list[int]) -> Iterator[bytes]:
+        for chunk in chunks:
+            size[0] += len(chunk)
+            progress(len(chunk))
+            yield chunk
+
+    for part in found.parts():
+        pieces = iter(part.text)
+        first, second = next(pieces, b""), next(pieces, None)
+        if second is None and len(first) <= BATCH_BYTES:  # a short document
+            if not first:
+                summary["empty_skipped"] += found.rule != "tail"
                 continue
-            parts = _parts(path, document, text, validation, val_share)
-            last = [split for split, part in parts.items() if part][-1]  # the document's end
-            for split, part in parts.items():
-                if not part:  # a file too short to hold out a tail: no document there
-                    continue
-                # byte tokens are the bytes themselves: written as they are
-                ids = part if tokenizer.name == "bytes" else array(typecode, tokenizer.encode(part))
-                if tokenizer.end_token is not None and split == last:
-                    ids.append(tokenizer.end_token)  # the document (not a file's head) ends
-                starts[split].append(summary[f"{split}_tokens"])
-                outputs[split].write(ids)
-                summary[f"{split}_documents"] += 1
-                summary[f"{split}_bytes"] += len(part)
-                summary[f"{split}_tokens"] += len(ids)
-            if progress is not None:
-                progress(len(text))
-    finally:
-        for output in outputs.values():
-            output.close()
-    if summary["empty_skipped"] == len(documents):
-        raise ValueError(f"data {str(path)!r}: every matched file is empty ({len(documents)})")
+            pending.append((part, first))
+            if sum(len(text) for _, text in pending) >= BATCH_BYTES:
+                flush()
+            continue
+        flush()
+        size = [0]
+        chunks = counted(_chain(first, second, pieces), size)
+        tokens = tokenizer.encode_stream(chunks)
+        writers[part.split].write(tokens, 0, end_of(part))  # its size, once read:
+        summary[f"{part.split}_bytes"] += size[0]
+    flush()
+
+
+def _chain(first: bytes, second: bytes | None, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    if second is not None:
+        yield second
+        yield from rest
+
+
+def _check_splits(found: Corpus, summary: dict) -> None:
+    """Raise ValueError for a corpus of no text, or a split without any."""
+    if not summary["train_bytes"] + summary["val_bytes"]:
+        what = (
+            f"field {found.formats.text_field!r} of every record"
+            if found.rule != "file"
+            else ("every matched file")
+        )
+        raise ValueError(f"data {str(found.root)!r}: {what} is empty ({summary['empty_skipped']})")
     for split in SPLITS:
         if summary[f"{split}_bytes"] == 0:
             raise ValueError(
-                f"data {str(path)!r}: the {split} split is empty ({summary['train_documents']} "
-                f"train and {summary['val_documents']} validation documents at val_share "
-                f"{val_share}); add documents or change --val-share"
+                f"data {str(found.root)!r}: the {split} split is empty "
+                f"({summary['train_documents']} train and {summary['val_documents']} validation "
+                f"documents at val_share {found.val_share}); add documents or change --val-share"
             )
-    for split in SPLITS:
-        (folder / STARTS.format(split=split)).write_bytes(starts[split].tobytes())
-    return summary
+
+
+def held_out_share(summary: dict) -> float:
+    """The share of the corpus's bytes that went to validation."""
+    total = summary["train_bytes"] + summary["val_bytes"]
+    return summary["val_bytes"] / total if total else 0.0
 
 
 def read_summary(folder: str | os.PathLike) -> dict | None:

@@ -1,0 +1,241 @@
+"""Corpus formats: each record its own document, split by its hash, read streaming; bad input
+as one line naming the file, the line or row and the field."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import hashlib
+import json
+import lzma
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from octlm.tokenizer import BPETokenizer
+from octlm.training import corpus, data
+from octlm.training.corpus import Formats
+
+RECORDS = [f"story {i}: once upon a time there was a fox number {i}." for i in range(40)]
+
+
+def jsonl(records, field="text") -> bytes:
+    return b"".join(json.dumps({field: r, "id": i}).encode() + b"\n" for i, r in enumerate(records))
+
+
+def tokens_of(folder: Path, split: str) -> bytes:
+    return (folder / f"{split}.bin").read_bytes()
+
+
+def expected_split(name: str, records: list[str], share: float = 0.1) -> dict[str, list[bytes]]:
+    """The records of each split by the record rule, in file order."""
+    found = {"train": [], "val": []}
+    for index, record in enumerate(records):
+        held = data.record_fraction(Path(name), index) < share
+        found["val" if held else "train"].append(record.encode("utf-8", "surrogatepass"))
+    return found
+
+
+def write_compressed(path: Path, payload: bytes) -> Path:
+    openers = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}
+    if path.suffix == ".zst":
+        zstandard = pytest.importorskip("zstandard")
+        path.write_bytes(zstandard.ZstdCompressor().compress(payload))
+    elif path.suffix in openers:
+        with openers[path.suffix](path, "wb") as out:
+            out.write(payload)
+    else:
+        path.write_bytes(payload)
+    return path
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".xz", ".bz2", ".zst"])
+@pytest.mark.parametrize("name", ["corpus.jsonl", "corpus.ndjson", "corpus.json"])
+def test_each_json_line_is_a_document_split_by_its_hash(tmp_path, name, suffix):
+    file = write_compressed(tmp_path / (name + suffix), jsonl(RECORDS))
+    summary = data.write_tokens(file, data.DEFAULT_GLOB, 0.1, tmp_path / "tokens")
+    expected = expected_split(file.name, RECORDS)
+    assert summary["split"] == "record" and 0 < len(expected["val"]) < len(RECORDS)
+    for split, texts in expected.items():
+        assert tokens_of(tmp_path / "tokens", split) == b"".join(texts)
+        sizes = [len(t) for t in texts]
+        starts = data.load_starts(tmp_path / "tokens", split).tolist()
+        assert starts == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def test_a_json_array_and_nested_fields(tmp_path):
+    records = [{"meta": {"body": r}, "n": i} for i, r in enumerate(RECORDS)]
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=1))
+    formats = Formats(text_field="meta.body")
+    data.write_tokens(tmp_path / "a.json", "*", 0.1, tmp_path / "t", formats=formats)
+    expected = expected_split("a.json", RECORDS)
+    assert tokens_of(tmp_path / "t", "train") == b"".join(expected["train"])
+
+
+def test_a_json_array_beyond_the_limit_is_refused_naming_json_lines(tmp_path, monkeypatch):
+    (tmp_path / "a.json").write_text(json.dumps([{"text": r} for r in RECORDS]))
+    monkeypatch.setattr(corpus, "JSON_ARRAY_LIMIT", 100)
+    with pytest.raises(ValueError, match=r"a.json: a JSON array over .* JSON Lines"):
+        data.write_tokens(tmp_path / "a.json", "*", 0.1, tmp_path / "t")
+
+
+def test_record_split_does_not_depend_on_other_shards(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.jsonl").write_bytes(jsonl(RECORDS))
+    first = data.write_tokens(shards, data.DEFAULT_GLOB, 0.2, tmp_path / "one")
+    (shards / "b.jsonl").write_bytes(jsonl(RECORDS[:5]))
+    data.write_tokens(shards, data.DEFAULT_GLOB, 0.2, tmp_path / "two")
+    held = tokens_of(tmp_path / "one", "val")
+    assert first["val_documents"] and tokens_of(tmp_path / "two", "val").startswith(held)
+
+
+def test_parquet_by_column_and_arrow_as_datasets_writes_it(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(RECORDS))), "content": RECORDS})
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    pq.write_table(table, folder / "train-00000.parquet", row_group_size=7)
+    with pa.ipc.new_stream(folder / "data-00000-of-00001.arrow", table.schema) as out:
+        for batch in table.to_batches(max_chunksize=9):
+            out.write_batch(batch)
+    (folder / "state.json").write_text('{"_data_files": []}')  # datasets' description
+    summary = data.write_tokens(
+        folder, data.DEFAULT_GLOB, 0.1, tmp_path / "t", formats=Formats(text_field="content")
+    )
+    assert summary["train_documents"] + summary["val_documents"] == 2 * len(RECORDS)
+    expected = [
+        expected_split(name, RECORDS)
+        for name in ("data-00000-of-00001.arrow", "train-00000.parquet")
+    ]
+    assert tokens_of(tmp_path / "t", "val") == b"".join(b"".join(e["val"]) for e in expected)
+
+
+def test_a_separator_cuts_a_text_file_into_documents(tmp_path):
+    stories = [f"Story {i}.\nThe end." for i in range(30)]
+    text = "\n<|endoftext|>\n".join(stories) + "\n<|endoftext|>\n"
+    (tmp_path / "tiny.txt").write_text(text)
+    formats = Formats(separator="<|endoftext|>")
+    summary = data.write_tokens(tmp_path / "tiny.txt", "*", 0.1, tmp_path / "t", formats=formats)
+    assert summary["train_documents"] + summary["val_documents"] == 30
+    expected = expected_split("tiny.txt", stories)
+    assert tokens_of(tmp_path / "t", "train") == b"".join(expected["train"])
+
+
+def test_separated_parts_are_the_same_read_in_any_block_size(tmp_path, monkeypatch):
+    text = b"a\r\n<s>\r\nbb\n<s>\n<s>ccc<s>\n" + b"d" * 50 + b"\n<s>"
+    (tmp_path / "f.txt").write_bytes(text)
+    for block in (1, 2, 3, 7, 1 << 20):
+        monkeypatch.setattr(corpus, "BLOCK", block)
+        found = [
+            b"".join(d.text)
+            for d in corpus.read(tmp_path / "f.txt", Path("f.txt"), Formats(separator="<s>"))
+        ]
+        assert found == [b"a", b"bb", b"", b"ccc", b"d" * 50], block
+
+
+def test_a_single_compressed_file_holds_out_its_tail(tmp_path):
+    text = bytes(range(256)) * 40
+    file = write_compressed(tmp_path / "one.txt.gz", text)
+    summary = data.write_tokens(file, "*", 0.25, tmp_path / "t")
+    cut = len(text) - int(len(text) * 0.25)
+    assert summary["split"] == "tail"
+    assert tokens_of(tmp_path / "t", "train") + tokens_of(tmp_path / "t", "val") == text
+    assert len(tokens_of(tmp_path / "t", "train")) == cut
+
+
+def old_held_out(root: Path, files: list[Path], share: float) -> set[str]:
+    """The split by path as octlm made it before corpora had formats, verbatim in effect."""
+
+    def fraction(relative: str) -> float:
+        digest = hashlib.sha256(os.fsencode(relative)).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64
+
+    relatives = [f.relative_to(root).as_posix() for f in files if f.stat().st_size]
+    ranked = sorted(relatives, key=fraction)
+    chosen = {r for r in ranked if fraction(r) < share}
+    if len(ranked) >= 2 and not chosen:
+        chosen = {ranked[0]}
+    if len(ranked) >= 2 and len(chosen) == len(ranked):
+        chosen.discard(ranked[-1])
+    return chosen
+
+
+def test_the_default_corpus_splits_as_it_always_has(tmp_path):
+    root, glob = data.default_corpus()
+    files = data.find_documents(root, glob)
+    expected = old_held_out(root, files, 0.1)
+    found = data.Corpus.open(root, glob, 0.1)
+    assert found.rule == "file" and {p.as_posix() for p in found.validation} == expected
+    summary = data.write_tokens(root, glob, 0.1, tmp_path / "t")
+    held = [f for f in files if f.relative_to(root).as_posix() in expected]
+    assert summary["val_documents"] == len(held)
+    assert summary["val_bytes"] == sum(f.stat().st_size for f in held)
+
+
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        (
+            [b'{"text": "a"}', b'{"body": "b"}'],
+            r"c.jsonl: line 2: no field 'text' \(it has 'body'\)",
+        ),
+        ([b'{"text": "a"}', b'{"text": 3}'], r"c.jsonl: line 2: field 'text' holds int '3'"),
+        ([b'{"text": "a"}', b"", b'{"text": "b"'], r"c.jsonl: line 3 is not JSON"),
+    ],
+)
+def test_a_bad_record_is_one_line_naming_file_line_and_field(tmp_path, records, message):
+    (tmp_path / "c.jsonl").write_bytes(b"\n".join(records) + b"\n")
+    with pytest.raises(ValueError, match=message):
+        data.write_tokens(tmp_path / "c.jsonl", "*", 0.1, tmp_path / "t")
+
+
+def test_a_parquet_without_the_column_lists_its_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1], "content": ["x"]}), tmp_path / "p.parquet")
+    with pytest.raises(
+        ValueError, match=r"p.parquet: no column 'text' \(its columns: id, content\)"
+    ):
+        data.write_tokens(tmp_path / "p.parquet", "*", 0.1, tmp_path / "t")
+
+
+def test_a_missing_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ValueError, match=r"p.parquet: reading .parquet files needs pyarrow: pip "):
+        data.write_tokens(tmp_path / "p.parquet", "*", 0.1, tmp_path / "t")
+
+
+def test_an_unreadable_compressed_file_names_it_and_the_earlier_tokens_stay(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(jsonl(RECORDS))
+    data.write_tokens(tmp_path / "a.jsonl", "*", 0.1, tmp_path / "t")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()}
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(jsonl(RECORDS))[:-30])  # cut short
+    with pytest.raises(ValueError, match=r"b.jsonl.gz \(gz-compressed\): cannot be read"):
+        data.write_tokens(tmp_path / "b.jsonl.gz", "*", 0.1, tmp_path / "t")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == before
+
+
+def test_empty_records_are_skipped_and_counted(tmp_path):
+    records = [*RECORDS, "", None]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    summary = data.write_tokens(tmp_path / "a.jsonl", "*", 0.1, tmp_path / "t")
+    assert summary["empty_skipped"] == 2
+    assert summary["train_documents"] + summary["val_documents"] == len(RECORDS)
+
+
+def test_bpe_tokens_of_records_equal_encoding_each_alone(tmp_path):
+    tokenizer = BPETokenizer.train([" ".join(RECORDS).encode()], 300)
+    (tmp_path / "a.jsonl").write_bytes(jsonl([*RECORDS, "caf\u00e9 \ud800 odd"]))
+    data.write_tokens(tmp_path / "a.jsonl", "*", 0.1, tmp_path / "t", tokenizer)
+    tokens = data.load_tokens(tmp_path / "t", "train", 1).tolist()
+    expected = []
+    for text in expected_split("a.jsonl", [*RECORDS, "caf\u00e9 \ud800 odd"])["train"]:
+        expected += [*tokenizer.encode(text), tokenizer.end_token]
+    assert tokens == expected
