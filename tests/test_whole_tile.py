@@ -11,7 +11,7 @@ import torch
 
 from octlm.attention import naive_attention, tiled_attention
 from octlm.attention.block_masks import block_mask
-from octlm.attention.tiled import backward, forward, whole
+from octlm.attention.tiled import engine, whole
 from tests.helpers import assert_judged, make_qkv, reference
 
 FINFO_MIN = torch.finfo(torch.float32).min
@@ -31,8 +31,8 @@ def whole_calls(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(forward, "whole_forward", counted("forward", forward.whole_forward))
-    monkeypatch.setattr(backward, "whole_backward", counted("backward", backward.whole_backward))
+    monkeypatch.setattr(engine, "whole_forward", counted("forward", engine.whole_forward))
+    monkeypatch.setattr(engine, "whole_backward", counted("backward", engine.whole_backward))
     return counts
 
 
@@ -101,6 +101,15 @@ def test_bfloat16_inputs_are_exact(whole_calls):
     query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=70, dtype=torch.bfloat16)
     check(query, key, value, options={"document_ids": documents(2, 70)})
     assert whole_calls == {"forward": 1, "backward": 1}
+
+
+def test_the_backward_follows_the_forwards_path_not_the_shapes(whole_calls, monkeypatch):
+    """A call that fits one tile but whose forward walked the blocks is walked back too: the
+    backward reads the forward's record, so it forms again only tiles the forward formed."""
+    monkeypatch.setattr(engine, "fits_whole", lambda *args: False)
+    query, key, value = make_qkv(batch=2, heads=4, kv_heads=2, q_len=70)
+    check(query, key, value, options={"document_ids": documents(2, 70)})
+    assert whole_calls == {"forward": 0, "backward": 0}
 
 
 def test_queries_after_cached_keys_are_exact(whole_calls):

@@ -44,9 +44,14 @@ from torch import Tensor
 
 from octlm.attention.inputs import COMMON, Call, call_of, check, keyword_only
 from octlm.attention.masks import key_range
-from octlm.attention.tiled.backward import attend_backward
-from octlm.attention.tiled.core import Rules, accumulation_dtype, merge, slope_gradient
-from octlm.attention.tiled.forward import attend_forward
+from octlm.attention.tiled.core import (
+    RowStats,
+    Rules,
+    accumulation_dtype,
+    merge,
+    slope_gradient,
+)
+from octlm.attention.tiled.engine import attend_backward, forward_rows
 from octlm.attention.tiled.options import DEFAULT_BLOCK, parse_block
 from octlm.context_parallel import (
     DEFAULT_LAYOUT,
@@ -153,8 +158,10 @@ def _ring_forward(
     sinks: Tensor | None,
     ring: _Ring,
     options: dict,
-) -> tuple[Tensor, Tensor]:
-    """Normalised ``out (B, H, L, D)`` and ``lse (B, H, L)`` over all keys, accumulation dtype.
+) -> tuple[Tensor, Tensor, list[tuple[bool, bool]]]:
+    """Normalised ``out (B, H, L, D)`` and ``lse (B, H, L)`` over all keys, accumulation dtype,
+    and each chunk pair's record (``RowStats.careful``, ``RowStats.whole``), in the order the
+    backward meets the pairs.
 
     ``ids (B, L)``, this rank's document ids, travel round with the key/value shard they
     describe. A sink is no key: it joins each row once, after the ring, as one more logit
@@ -165,6 +172,7 @@ def _ring_forward(
     dtype = accumulation_dtype(query.dtype)
     out = query.new_zeros(query.shape, dtype=dtype)  # (B, H, L, D)
     lse = query.new_full(query.shape[:-1], float("-inf"), dtype=dtype)  # (B, H, L)
+    records = []
     shard = (key, value) if ids is None else (key, value, ids)
     for step in range(ring.world):
         owner = (ring.rank - step) % ring.world  # whose keys this rank holds now
@@ -172,21 +180,22 @@ def _ring_forward(
         key, value, key_ids = shard if ids is not None else (*shard, None)
         keys = ring.pieces(owner, local_len)
         for q, k, past, documents in _visible_pairs(queries, keys, options, ids, key_ids):
-            part_out, part_lse = attend_forward(
+            part_out, rows = forward_rows(
                 query[:, :, q.span],
                 key[:, :, k.span],
                 value[:, :, k.span],
                 Rules(past=past, documents=documents, alibi_slopes=alibi_slopes, **options),
-            )  # (B, H, q.length, D), (B, H, q.length)
+            )  # (B, H, q.length, D), (B, H, q.length) each
             out[:, :, q.span], lse[:, :, q.span] = merge(
-                out[:, :, q.span], lse[:, :, q.span], part_out, part_lse
+                out[:, :, q.span], lse[:, :, q.span], part_out, rows.lse()
             )
+            records.append((rows.careful, rows.whole))
         if arriving is not None:
             shard = arriving()
     if sinks is not None:  # (1, H, 1): the sink's logit, with an output of zero
         sink = sinks.detach().to(dtype).view(1, -1, 1)
         out, lse = merge(out, lse, out.new_zeros(()), sink)
-    return out, lse
+    return out, lse, records
 
 
 def _ring_backward(
@@ -199,12 +208,14 @@ def _ring_backward(
     grad_out: Tensor,
     ring: _Ring,
     options: dict,
+    records: list[tuple[bool, bool]],
     alibi_slopes: Tensor | None = None,
     moments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq`` for this rank's queries and ``dk``/``dv`` for its own keys, accumulation dtype;
     each row's ALiBi moments over every key (:func:`~octlm.attention.tiled.core.slope_moments`)
-    are added to ``moments`` when given.
+    are added to ``moments`` when given. Each chunk pair takes the engine its forward took
+    (``records``), with the rows' global statistics.
 
     Each step's key/value gradients are handed on with the shard they belong to; the pass of
     one step's gradients overlaps the next step's compute.
@@ -214,6 +225,7 @@ def _ring_backward(
     dtype = lse.dtype
     grad_query = torch.zeros_like(query, dtype=dtype)  # (B, H, L, D)
     grads_arriving = None
+    records = iter(records)
     shard = (key, value) if ids is None else (key, value, ids)
     for step in range(ring.world):
         owner = (ring.rank - step) % ring.world
@@ -223,14 +235,15 @@ def _ring_backward(
         grad_value = torch.zeros_like(value, dtype=dtype)  # (B, Hkv, L, D)
         keys = ring.pieces(owner, local_len)
         for q, k, past, documents in _visible_pairs(queries, keys, options, ids, key_ids):
+            rules = Rules(past=past, documents=documents, alibi_slopes=alibi_slopes, **options)
+            chunk = query[:, :, q.span], key[:, :, k.span], value[:, :, k.span]
+            rows = RowStats.of_lse(lse[:, :, q.span], rules, *next(records))
             dq, dk, dv = attend_backward(
-                query[:, :, q.span],
-                key[:, :, k.span],
-                value[:, :, k.span],
+                *chunk,
                 grad_out[:, :, q.span],
-                lse[:, :, q.span],
+                rows,
                 delta[:, :, q.span],
-                Rules(past=past, documents=documents, alibi_slopes=alibi_slopes, **options),
+                rules,
                 moments=None if moments is None else moments[:, :, q.span],
             )
             grad_query[:, :, q.span] += dq
@@ -258,10 +271,12 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, ids, alibi_slopes, sinks, ring, options):
-        out, lse = _ring_forward(query, key, value, ids, alibi_slopes, sinks, ring, options)
+        out, lse, records = _ring_forward(
+            query, key, value, ids, alibi_slopes, sinks, ring, options
+        )
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, ids, alibi_slopes, sinks, out, lse)
-        ctx.ring, ctx.options = ring, options
+        ctx.ring, ctx.options, ctx.records = ring, options, records
         return out
 
     @staticmethod
@@ -281,6 +296,7 @@ class _RingAttention(torch.autograd.Function):
             grad_out,
             ctx.ring,
             ctx.options,
+            ctx.records,
             alibi_slopes,
             moments,
         )

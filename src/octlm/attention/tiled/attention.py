@@ -17,9 +17,16 @@ import torch
 from torch import Tensor
 
 from octlm.attention.inputs import Call, call_of, check, keyword_only
-from octlm.attention.tiled.backward import attend_backward, delta_error, sink_gradient, sink_share
-from octlm.attention.tiled.core import RowStats, Rules, slope_gradient, unfold_heads
-from octlm.attention.tiled.forward import forward_rows
+from octlm.attention.tiled.core import (
+    RowStats,
+    Rules,
+    delta_error,
+    sink_gradient,
+    sink_share,
+    slope_gradient,
+    unfold_heads,
+)
+from octlm.attention.tiled.engine import attend_backward, forward_rows
 from octlm.attention.tiled.options import DEFAULT_BLOCK, KERNELS, parse_block
 
 if TYPE_CHECKING:

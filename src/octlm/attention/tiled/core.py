@@ -40,14 +40,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class Units:
     """The units scores are kept in: ``unit`` times natural units, exponentiated in base
-    ``e ** (1 / unit)``. Base 2 (``unit = log2(e)``) by default, because ``exp2`` is about twice as
-    cheap as ``exp`` on CPU. Natural units where a term joins the scores (a float mask, ALiBi, a
-    softcap; docs/design.md, 'The numerics of the tiled core'): the tile is then formed as naive
-    forms it, to the last bit where the matmul sums alike. And where the sinks offset scores by
-    finite values of ``LARGE_OFFSET`` or more: there the offset's rounding, not the scores', sets
-    the error, and scaling by ``log2(e)`` can carry a sum into the next binade and double it; and a
-    value near ``finfo.max`` would overflow, where it is still a score and must keep its place in
-    the softmax."""
+    ``e ** (1 / unit)``: base 2 by default, natural where a term joins the scores or the sinks are
+    large (why: docs/design.md, 'The numerics of the tiled core')."""
 
     unit: float
 
@@ -90,10 +84,23 @@ class RowStats:
     rebased: frozenset[tuple[int, int]] = frozenset()
     shift_column: bool = False
     whole: bool = False  # the call was one tile (tiled/whole.py): so is its backward
+    # The statistics are over this call's keys alone, so a backward may sum each row's delta
+    # from its own tile; not so for rows that see keys beyond it (a ring's chunk).
+    complete: bool = True
 
     def lse(self) -> Tensor:
         """Natural log-sum-exp; ``-inf`` for rows that see no key."""
         return (self.shift + self.units.log(self.total)) / self.units.unit
+
+    @staticmethod
+    def of_lse(lse: Tensor, rules: Rules, careful: bool, whole: bool) -> RowStats:
+        """The statistics of rows that see keys beyond one chunk's, from their log-sum-exp
+        ``lse (B, H, Q)`` over all of them: shifted by it, total 1. ``careful`` and ``whole``
+        are the chunk's forward's record."""
+        units = Units.choose(rules)
+        seen = lse > NEG_INF
+        shift = (lse * units.unit).masked_fill(~seen, 0.0)
+        return RowStats(shift, seen.to(lse.dtype), units, careful, whole=whole, complete=False)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -179,11 +186,6 @@ def fold_keys(key: Tensor, dtype: torch.dtype, extra: float | None) -> Tensor:
     out[..., :head_size] = key
     out[..., head_size] = extra
     return out
-
-
-def rows_of(run: list[range]) -> range:
-    """The query rows of a run of consecutive blocks."""
-    return range(run[0].start, run[-1].stop)
 
 
 def blockwise(x: Tensor) -> Tensor:
@@ -274,6 +276,31 @@ def slope_gradient(moments: Tensor, slopes: Tensor, sink: Tensor | None = None) 
     per_row = (both - grad_probs * far / total) / total  # (B, H, Q)
     full = slopes.view(-1, slopes.shape[-1]).shape  # (1 or B, H)
     return (-per_row.sum(dim=-1)).sum_to_size(full).view(slopes.shape).to(slopes.dtype)
+
+
+def sink_share(rows: RowStats, sinks: Tensor) -> Tensor:
+    """Each row's mass that the sink takes, ``p = exp(sink - shift) / total``, ``(B, H, Q)``
+    float64 (0 where nothing at all was summed: a -inf sink, no key)."""
+    logits = sinks.double().view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
+    taken = rows.units.exp_(logits - rows.shift.double()) / rows.total.double()  # (B, H, Q)
+    return taken.masked_fill_(rows.total == 0, 0.0)
+
+
+def sink_gradient(share: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sinks ``(H,)``. A sink takes ``share`` of each row's mass
+    (:func:`sink_share`) and gives no value, so ``d out / d sink = -share * out`` and the
+    gradient is ``-sum share * delta`` over batch and rows, with ``delta = rowsum(grad_out *
+    out)``; summed in float64."""
+    return -(share * delta.double()).sum(dim=(0, 2))
+
+
+def delta_error(residue: Tensor, delta: Tensor, share: Tensor) -> Tensor:
+    """How far the ``delta`` a backward used falls short of each row's true ``sum p * dp``,
+    ``(B, H, Q)`` float64, from the ``residue`` its ``ds`` left (folded, as
+    :func:`~octlm.attention.tiled.engine.attend_backward` fills it). Over the keys, whose
+    probabilities sum to ``1 - share``, ``sum ds = true - used * (1 - share)``, so ``true -
+    used = residue - used * share``."""
+    return unfold_heads(residue) - delta.double() * share
 
 
 def merge(out: Tensor, lse: Tensor, other_out: Tensor, other_lse: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,8 +1,12 @@
-""":class:`BlockWalk`: which key blocks each query block visits, and one score tile at a time.
+"""The block walk: :class:`BlockWalk` (which key blocks each query block visits, one score tile
+at a time) and its forward, FlashAttention's online softmax (:class:`OnlineSoftmax`,
+:func:`walk_forward`).
 
 Blocks that the causal/window rules, padding, packed documents or a block mask hide entirely are
 never touched; blocks the rules show whole get no mask arithmetic at all; only tiles that cross
-an edge get their hidden places at ``-inf``. No ``q_len x k_len`` tensor is ever made.
+an edge get their hidden places at ``-inf``. No ``q_len x k_len`` tensor is ever made. For each
+query block a per-row shift, the running sum and the unnormalised output are carried across key
+blocks, and the output is normalised once at the end.
 """
 
 from __future__ import annotations
@@ -14,13 +18,31 @@ import torch
 from torch import Tensor
 
 from octlm.attention.masks import allowed, distance, fully_visible, key_range, padding_mask
-from octlm.attention.tiled.core import NEG_INF, Rules, Units, as_3d, fold_mask, fold_slopes
-from octlm.attention.tiled.threads import workers
+from octlm.attention.tiled.core import (
+    NEG_INF,
+    RowStats,
+    Rules,
+    Units,
+    accumulation_dtype,
+    as_3d,
+    blockwise,
+    fold,
+    fold_keys,
+    fold_mask,
+    fold_slopes,
+    unfold_heads,
+)
+from octlm.attention.tiled.threads import parallel_map, workers
 
 # Query blocks per CPU thread, when there are enough rows: blocks are cut smaller to make them,
 # down to THREAD_ROWS rows (docs/design.md, 'The numerics of the tiled core', threads).
 THREAD_SHARES = 16
 THREAD_ROWS = 128
+# The most one block's weights may sum to (relative to the row's shift) before the shift
+# moves up to that block's maximum and the block is recomputed.
+CEILING = 2.0**16
+# Query rows per block (heads of a group included) from which the shift rides in the matmul.
+FUSED_SHIFT_ROWS = 64
 
 
 class BlockWalk:
@@ -309,6 +331,208 @@ class BlockWalk:
             same = row_ids == key_documents[:, None, columns.start : columns.stop]  # (B, R, C)
             tile.masked_fill_(~same[:, None, :, None, :], NEG_INF)  # (B, 1, R, 1, C)
         return scores
+
+
+class OnlineSoftmax:
+    """The online softmax of one query block: per-row shift, running sum, unnormalised output.
+
+    In the walk's units and relative to ``shift``: ``running_sum = sum exp(score - shift)`` and
+    ``acc = sum exp(score - shift) * value`` over the keys read so far. With ``fused`` the
+    shift lives in the query block's extra column (as ``-shift``), so the score matmul
+    subtracts it; without, it is subtracted after the float mask is added, so a mask value far
+    from the shift never cancels against it. Nothing is allocated before the first key block,
+    whose sums simply become the state: decoding one token against one wide block costs a
+    handful of operations.
+    """
+
+    def __init__(self, walk: BlockWalk, q_block: Tensor, rows: range, fused: bool):
+        self.walk, self.q_block, self.rows, self.fused = walk, q_block, rows, fused
+        self.shift = self.running_sum = self.acc = None  # (B*Hkv, R, 1), (…, 1), (…, D)
+        self.unset = True  # some rows have not seen a key yet: their shift is a placeholder
+
+    def needs_rebase(self) -> bool:
+        """Whether the next block must set shifts: always first, then while a row saw nothing
+        (asked only then, since asking waits for the tensors)."""
+        if self.unset and self.running_sum is not None:
+            self.unset = bool((self.running_sum == 0).any())
+        return self.unset
+
+    def scores(self, columns: range) -> Tensor:
+        """``(B*Hkv, R, C)`` scores of one key block minus the shift, hidden places -inf."""
+        scores = self.walk.scores(self.q_block, self.rows, columns)
+        return scores if self.fused else scores.sub_(self.shift)
+
+    def rebase(self, columns: range) -> Tensor:
+        """Scores of one key block, with each row's shift moved up to the block's maximum.
+
+        The scores are recomputed from nothing (not from scores relative to the old shift,
+        which would round them to the old shift's precision), so the result is as exact as a
+        first block. Rows that have seen no key take this block's maximum, up or down; the
+        others only move up, and what they summed is rescaled by ``exp(old - new) <= 1``.
+        Every weight of the block is then at most 1, so its sum cannot pass ``CEILING``.
+        """
+        plain = self.q_block[..., :-1] if self.fused else self.q_block  # no shift column
+        scores = self.walk.scores(plain, self.rows, columns)  # (B*Hkv, R, C), absolute
+        self.walk.rebased.add((self.rows.start, columns.start))
+        shift = scores.amax(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
+        summed = self.running_sum is not None
+        if summed:
+            empty = self.running_sum == 0
+            shift = torch.where(empty, shift, torch.maximum(self.shift, shift))
+        shift.masked_fill_(shift == NEG_INF, 0.0)  # rows that see nothing here either
+        if summed:
+            correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
+            self.running_sum.mul_(correction)
+            self.acc.mul_(correction)
+        self.shift = shift
+        if self.fused:
+            self.q_block[..., -1:] = -shift.view(*self.q_block.shape[:-1], 1)
+        return scores.sub_(shift)
+
+    def add(self, weights: Tensor, block_sum: Tensor, values: Tensor) -> None:
+        """Sum one block's ``weights (B*Hkv, R, C)`` and their rows ``block_sum``, over
+        ``values (B*Hkv, C, D)``."""
+        if self.running_sum is None:
+            self.running_sum, self.acc = block_sum, torch.bmm(weights, values)  # (…, 1), (…, D)
+        else:
+            self.running_sum += block_sum
+            self.acc.baddbmm_(weights, values)
+
+    def see_nothing(self, head_size: int) -> None:
+        """The state of rows that meet no key block: nothing summed, shift 0."""
+        self.shift = self.q_block.new_zeros(
+            self.walk.batch * self.walk.kv_heads, self.q_block.shape[2], 1
+        )
+        self.running_sum = torch.zeros_like(self.shift)  # (B*Hkv, R, 1)
+        self.acc = self.shift.new_zeros(*self.shift.shape[:-1], head_size)  # (B*Hkv, R, D)
+
+    def absorb(self, logits: Tensor) -> None:
+        """One more score per row, ``(B*Hkv, R, 1)`` in units, that joins the sum and carries
+        no value: an attention sink. The shift moves up to it where it is larger (rows that
+        saw no key take it), rescaling what was summed by ``exp(old - new) <= 1``."""
+        empty = self.running_sum == 0
+        shift = torch.where(empty, logits, torch.maximum(self.shift, logits))
+        shift.masked_fill_(shift == NEG_INF, 0.0)  # a -inf sink and no key: nothing is summed
+        correction = self.walk.units.exp_(self.shift - shift).masked_fill_(empty, 1.0)
+        self.running_sum.mul_(correction).add_(self.walk.units.exp_(logits - shift))
+        self.acc.mul_(correction)
+        self.shift = shift
+
+    def output(self) -> Tensor:
+        """Normalised output ``(B*Hkv, R, D)``; rows that saw no key are 0."""
+        # A row that saw a key sums to at least 1 (its shift's own weight); one that saw none
+        # has acc = 0, and 0 / tiny = 0.
+        return self.acc.div_(self.running_sum.clamp_min(torch.finfo(self.acc.dtype).tiny))
+
+
+def walk_forward(
+    query: Tensor, key: Tensor, value: Tensor, rules: Rules
+) -> tuple[Tensor, RowStats]:
+    """The output ``(B, H, Q, D)`` in the accumulation dtype and the exact row statistics, by
+    FlashAttention's online softmax over the tiles of a :class:`BlockWalk`.
+
+    Softmax is invariant to a per-row shift, so the shift need not be the exact running
+    maximum: it is set from each row's first visible block and moves up only when a later
+    block's weights sum past ``CEILING`` (or overflow), in which case that block is recomputed
+    against the new shift. The usual block therefore costs no maximum pass and no rescale.
+
+    Inputs are assumed finite, and checked only afterwards: a NaN or infinity that reached
+    any row shows up as NaN in the output (O(Q·D) to look at, against O(K·D) for the inputs).
+    Only then is the call run again with the masked fills that keep a hidden NaN out of the
+    rows that cannot see it.
+    """
+    out, rows = _walk(query, key, value, rules, careful=False)
+    if bool(out.isnan().any()):
+        out, rows = _walk(query, key, value, rules, careful=True)
+    return out, rows
+
+
+def _walk(
+    query: Tensor, key: Tensor, value: Tensor, rules: Rules, *, careful: bool
+) -> tuple[Tensor, RowStats]:
+    """One pass of :func:`walk_forward`; with ``careful``, hidden places are filled, never
+    added to, so a NaN a row cannot see stays out of it."""
+    mask, scale, sinks = rules.mask, rules.scale, rules.sinks
+    dtype = accumulation_dtype(query.dtype)
+    heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]
+    units = Units.choose(rules)
+    float_mask = mask is not None and mask.is_floating_point()
+    rows_per_block = min(rules.block[0], query.shape[2]) * (heads // kv_heads)
+    # The fused shift costs a copy of the keys with a column of ones: worth it when each key
+    # block meets many query rows, not when decoding one token against a long cache. A float
+    # mask must be added before the shift is subtracted, so it is never fused; nor are the
+    # score modifiers, which act on the scores themselves.
+    modified = rules.softcap is not None or rules.alibi_slopes is not None
+    fused = rows_per_block >= FUSED_SHIFT_ROWS and not float_mask and not modified
+    extra = 0.0 if fused else None
+    folded = fold(query, kv_heads, scale * units.unit, dtype, extra)  # (B, Hkv, Q, G, D [+ 1])
+    keys = fold_keys(key, dtype, 1.0 if fused else None)  # (B, Hkv, K, D [+ 1])
+    value = blockwise(value.to(dtype))  # (B, Hkv, K, D)
+    broken = None
+    if careful:
+        # 0 x NaN is NaN: a value a row cannot see must not reach it through a zero weight.
+        # Values are summed clean, and what a row can see of the rest is put back at the
+        # end: per dimension, NaN where it sees a NaN or infinities of both signs, else the
+        # infinity it sees (as the definition gives, whatever the tiles).
+        kinds = (value.isnan(), value == float("inf"), value == float("-inf"))
+        value = value.masked_fill(~value.isfinite(), 0.0)
+        broken = as_3d(torch.cat(kinds, dim=-1).to(dtype))  # (B*Hkv, K, 3 * D)
+    walk = BlockWalk(folded, keys, rules, units, careful=careful)
+    if sinks is not None:
+        sinks = (sinks.to(dtype) * units.unit).view(1, kv_heads, 1, -1)  # (1, Hkv, 1, G)
+
+    def attend(rows: range) -> tuple[Tensor, Tensor, Tensor]:
+        """One query block's output ``(B, Hkv, R, G, D)``, shift and sum ``(B, Hkv, R, G)``;
+        blocks run concurrently on CPU."""
+        state = OnlineSoftmax(walk, walk.rows(folded, rows), rows, fused)
+        poison = None
+        for columns in walk.key_blocks(rows):
+            rebased = state.needs_rebase()
+            scores = state.rebase(columns) if rebased else state.scores(columns)
+            visible = scores != NEG_INF if careful else None  # (B*Hkv, R, C)
+            weights = units.exp_(scores)  # (B*Hkv, R, C), in place of the scores
+            block_sum = weights.sum(dim=-1, keepdim=True)  # (B*Hkv, R, 1)
+            if not rebased and not bool(block_sum.max() <= CEILING):  # also inf and NaN
+                # A score rose far above its row's shift: redo the block with the shift moved.
+                weights = units.exp_(state.rebase(columns))
+                block_sum = weights.sum(dim=-1, keepdim=True)
+            keys_here = slice(columns.start, columns.stop)
+            state.add(weights, block_sum, as_3d(value[:, :, keys_here]))
+            if careful:
+                seen_broken = torch.bmm(visible.to(dtype), broken[:, keys_here]) > 0
+                poison = seen_broken if poison is None else poison | seen_broken
+        if state.running_sum is None:  # the rows met no key block
+            state.see_nothing(head_size)
+        if sinks is not None:
+            shape = (walk.batch, kv_heads, len(rows), walk.group)
+            state.absorb(sinks.expand(shape).reshape(walk.batch * kv_heads, -1, 1))
+        result = state.output()  # (B*Hkv, R, D)
+        if poison is not None:  # a row already NaN (a NaN score) stays NaN
+            nan, high, low = poison.split(head_size, dim=-1)  # (B*Hkv, R, D) each
+            nan = nan | (high & low) | result.isnan()
+            result.masked_fill_(high, float("inf")).masked_fill_(low, float("-inf"))
+            result.masked_fill_(nan, float("nan"))
+        shape = (walk.batch, kv_heads, len(rows), walk.group)
+        total = state.running_sum.view(shape)
+        return result.view(*shape, head_size), state.shift.view(shape), total
+
+    blocks = walk.largest_first()
+    if len(blocks) == 1:  # decoding, short chunks: the block's own tensors, no copy
+        out, shift, total = attend(blocks[0])
+    else:
+        out = folded.new_empty(*folded.shape[:-1], head_size)  # (B, Hkv, Q, G, D)
+        shift = folded.new_empty(folded.shape[:-1])  # (B, Hkv, Q, G), in units
+        total = torch.empty_like(shift)  # (B, Hkv, Q, G)
+
+        def write(rows: range) -> None:
+            for whole, part in zip((out, shift, total), attend(rows), strict=True):
+                whole[:, :, rows.start : rows.stop] = part
+
+        parallel_map(write, blocks, query.device)
+    rows = RowStats(
+        unfold_heads(shift), unfold_heads(total), units, careful, frozenset(walk.rebased), fused
+    )
+    return unfold_heads(out), rows
 
 
 def rows_of(run: list[range]) -> range:

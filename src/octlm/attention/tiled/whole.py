@@ -293,14 +293,15 @@ def whole_backward(
     moments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of a call :func:`whole_forward` computed, as
-    :func:`~octlm.attention.tiled.backward.attend_backward` returns them (and fills its
+    :func:`~octlm.attention.tiled.engine.attend_backward` returns them (and fills its
     ``grad_mask``, ``residue`` and ``moments``, laid out as there).
 
     The probabilities are formed again as the forward formed them, ``exp(score - shift)``,
     and ``1 / total`` rides on ``grad_out`` and ``delta``, so no pass over the tile divides.
-    The given ``delta`` (``rowsum(grad_out * out)``) serves only where ``residue`` is asked for
-    (learned sinks, whose gradient corrects for its rounding); otherwise each row's delta is
-    summed from its own tile, ``sum(p * dp)``, as naive's backward sums it.
+    The given ``delta`` (``rowsum(grad_out * out)``) serves where ``residue`` is asked for
+    (learned sinks, whose gradient corrects for its rounding) and where the rows see keys beyond
+    this tile (``rows.complete`` false: a ring's chunk); otherwise each row's delta is summed
+    from its own tile, ``sum(p * dp)``, as naive's backward sums it.
     """
     call = _call(query, key, value, rules, rows.units, rows.careful)
     dtype = call.queries.dtype
@@ -338,7 +339,7 @@ def whole_backward(
         torch.bmm(flat.transpose(1, 2), grad_rows, out=grad_value[b, kv])  # (n, K, D)
         grad_scores = torch.bmm(grad_rows, values[b, kv].transpose(1, 2))  # (n, G*Q, K)
         grad_scores = grad_scores.view(probs.shape)  # (n*G, Q, K)
-        if residue is None:  # each row's delta from its own tile, as naive's backward forms it
+        if residue is None and rows.complete:  # each row's delta from its own tile, as naive
             row_delta = (grad_scores * probs).sum(dim=-1, keepdim=True)  # (n*G, Q, 1)
             row_delta.mul_(inverse[b, heads, :, None])
         else:  # the rounded delta, whose residue the slopes and sinks correct for

@@ -13,7 +13,7 @@ from torch import Tensor
 from octlm.attention import naive_attention, sdpa_attention, tiled_attention
 from octlm.attention.masks import allowed
 from octlm.attention.tiled.core import Rules, merge
-from octlm.attention.tiled.forward import attend_forward
+from octlm.attention.tiled.engine import attend_forward
 from octlm.attention.tiled.options import parse_block
 from octlm.equality import GRADIENT_FACTOR, judge, max_abs_diff
 from octlm.lab.verify.cases import QKV, Case, attend, inputs, record

@@ -1,4 +1,4 @@
-"""The backward block steps (FlashAttention-2): each tile's probabilities recomputed from the
+"""The block walk's backward (FlashAttention-2): each tile's probabilities recomputed from the
 forward's row statistics, and the gradients of the inputs and the score modifiers."""
 
 from __future__ import annotations
@@ -7,14 +7,11 @@ import torch
 from torch import Tensor
 
 from octlm.attention.tiled.core import (
-    NEG_INF,
     RowStats,
     Rules,
-    Units,
     accumulation_dtype,
     all_finite,
     as_3d,
-    block_steps,
     blockwise,
     fold,
     fold_keys,
@@ -24,20 +21,18 @@ from octlm.attention.tiled.core import (
 )
 from octlm.attention.tiled.threads import parallel_map
 from octlm.attention.tiled.walk import BlockWalk, rows_of
-from octlm.attention.tiled.whole import whole_backward
 
 # The largest shift (in score units) the backward lets ride in the matmul: inside it, the
 # shift's rounding joins the sum of products; past it, scores are formed first, as naive does.
 FUSED_SHIFT_LIMIT = 64.0
 
 
-@block_steps
-def attend_backward(
+def walk_backward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
     grad_out: Tensor,
-    lse: Tensor | RowStats,
+    stats: RowStats,
     delta: Tensor,
     rules: Rules,
     *,
@@ -45,51 +40,26 @@ def attend_backward(
     residue: Tensor | None = None,
     moments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one query chunk against one key chunk: the backward block steps.
-
-    ``lse`` (or the forward's exact :class:`RowStats`) and ``delta = rowsum(grad_out * out)``
-    are ``(B, H, Q)`` over *all* keys the queries attend to (global, when keys are split across
-    calls or processes), so each chunk's probabilities ``exp(score - shift) / total`` are
-    exact. Returns ``dq (B, H, Q, D)`` and ``dk``/``dv (B, Hkv, K, D)`` in the accumulation
-    dtype, summed over each GQA group. When ``grad_mask`` (folded like the mask, full size) is
-    given, the scores' gradient is written into it. Sinks change nothing here (they live in the
-    row statistics); their gradient is :func:`sink_gradient`.
-
-    ``delta`` comes from the rounded output, so each row's ``ds`` sums to a little more or less
-    than it should, and the sinks' gradient multiplies that residue over every row:
-    ``residue`` (``(B, Hkv, Q, G)`` float64, when given) receives what each row's ``ds`` sums
-    to over these keys, from which :func:`delta_error` corrects it. ``moments`` (``(B, H, Q,
-    4)`` float64, with learned ALiBi slopes) receives each row's
-    :func:`~octlm.attention.tiled.core.slope_moments` over these keys, formed in float64.
-    """
+    """FlashAttention-2's backward over the tiles of a :class:`BlockWalk`, as
+    :func:`~octlm.attention.tiled.engine.attend_backward` describes it: per query block,
+    ``dv += pᵀ dO``, ``ds = p (dO vᵀ - delta)``, ``dk += dsᵀ q`` and ``dq += ds k``, plus the
+    score modifiers' extras (:func:`_modifiers`) and the ALiBi slopes' moments
+    (:class:`_ExactTiles`)."""
     mask, scale, softcap, alibi_slopes = rules.mask, rules.scale, rules.softcap, rules.alibi_slopes
     dtype = accumulation_dtype(query.dtype)
     kv_heads, head_size = key.shape[1], query.shape[-1]
-    if 0 in query.shape or 0 in key.shape:
-        zeros = (torch.zeros_like(x, dtype=dtype) for x in (query, key, value))
-        return tuple(zeros)
-    if isinstance(lse, Tensor):  # the log-sum-exp alone: shift by it, total 1
-        units = Units.choose(rules)
-        seen = lse > NEG_INF
-        shift = (lse.to(dtype) * units.unit).masked_fill(~seen, 0.0)
-        lse = RowStats(shift, seen.to(dtype), units, careful=not all_finite(query, key, value))
-    if lse.whole:
-        return whole_backward(
-            query, key, value, grad_out, lse, delta, rules,
-            grad_mask=grad_mask, residue=residue, moments=moments,
-        )  # fmt: skip
-    units = lse.units
+    units = stats.units
     float_mask = mask is not None and mask.is_floating_point()
     modified = softcap is not None or alibi_slopes is not None
-    fused = not float_mask and not modified and bool(lse.shift.abs().max() <= FUSED_SHIFT_LIMIT)
+    fused = not float_mask and not modified and bool(stats.shift.abs().max() <= FUSED_SHIFT_LIMIT)
     folded = fold(query, kv_heads, scale * units.unit, dtype, 0.0 if fused else None)
-    shift = fold_rows(lse.shift, kv_heads, dtype)  # (B, Hkv, Q, G, 1), in units
+    shift = fold_rows(stats.shift, kv_heads, dtype)  # (B, Hkv, Q, G, 1), in units
     if fused:  # the extra column holds -shift, so the matmul yields scores - shift
         folded[..., head_size:] = -shift
     # p = exp(score - shift) / total. The 1 / total rides on grad_out and delta (rows that see
     # nothing get 0), so no pass over the tile divides: dv += e @ (do / total) and
     # ds = e * (v @ (do / total) - delta / total).
-    total = fold_rows(lse.total, kv_heads, dtype)  # (B, Hkv, Q, G, 1)
+    total = fold_rows(stats.total, kv_heads, dtype)  # (B, Hkv, Q, G, 1)
     inverse = torch.where(total > 0, 1.0 / total, 0.0)
     keys = fold_keys(key, dtype, 1.0 if fused else None)  # (B, Hkv, K, D [+ 1])
     grad_folded = fold(grad_out, kv_heads, 1.0, dtype, None) * inverse  # (B, Hkv, Q, G, D)
@@ -98,11 +68,11 @@ def attend_backward(
     # The forward's rebased tiles are formed again from operands laid out as its own were (with
     # or without the shift column), so that their scores are its scores to the last bit.
     whole_queries, whole_keys = folded, keys
-    if lse.rebased and lse.shift_column != fused:
-        column = 0.0 if lse.shift_column else None
+    if stats.rebased and stats.shift_column != fused:
+        column = 0.0 if stats.shift_column else None
         whole_queries = fold(query, kv_heads, scale * units.unit, dtype, column)
         whole_keys = fold_keys(key, dtype, None if column is None else 1.0)
-    walk = BlockWalk(folded, keys, rules, units, careful=lse.careful, keep_tanh=True)
+    walk = BlockWalk(folded, keys, rules, units, careful=stats.careful, keep_tanh=True)
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
     value = as_3d(value)  # (B*Hkv, K, D)
@@ -114,7 +84,7 @@ def attend_backward(
         key_t = key_t.masked_fill(~key_t.isfinite(), 0.0)
         value = value.masked_fill(~value.isfinite(), 0.0)
     grad_query = torch.empty_like(grad_folded)  # (B, Hkv, Q, G, D)
-    exact = None if moments is None else _ExactTiles(query, key, value, grad_out, lse, rules)
+    exact = None if moments is None else _ExactTiles(query, key, value, grad_out, stats, rules)
 
     def attend(blocks: list[range]) -> tuple[range, Tensor, Tensor]:
         """The gradients from a run of query blocks; ``dk`` and ``dv`` summed over them into
@@ -141,7 +111,7 @@ def attend_backward(
                 size_t = (value.shape[0], len(columns), len(rows) * walk.group)
                 # As the forward formed the tile (whole scores, then minus the shift) wherever
                 # that costs no extra pass: its probabilities are then the forward's.
-                rebased = not fused or (rows.start, columns.start) in lse.rebased
+                rebased = not fused or (rows.start, columns.start) in stats.rebased
                 if rebased:
                     whole = walk.rows(whole_queries, rows)[..., :head_size]
                     scores = walk.scores(whole, rows, columns, keys=whole_keys)  # (…, R, C)
@@ -158,15 +128,7 @@ def attend_backward(
                     out=walk.tile("grad_t", *probs_t.shape),
                 )  # (B*Hkv, C, R), d loss / d probsᵀ
                 grad_scores_t.sub_(delta_row).mul_(probs_t)  # d loss / d scoresᵀ
-                if grad_mask is not None:
-                    grad_mask[:, :, rows.start : rows.stop, :, keys_here] = walk.unfold_tile(
-                        grad_scores_t, rows, columns, transposed=True
-                    )
-                if row_residue is not None:
-                    row_residue += grad_scores_t.sum(dim=1, dtype=torch.float64)
-                if softcap is not None:  # through the cap: d tanh = 1 - tanh²
-                    tanh = walk.tanh.transpose(1, 2) if rebased else walk.tanh  # (…, C, R)
-                    grad_scores_t.mul_(tanh.square_().neg_().add_(1.0))
+                _modifiers(walk, grad_scores_t, rows, columns, rebased, grad_mask, row_residue)
                 grad_key[:, mine] += torch.bmm(grad_scores_t, q_plain, out=products)
                 dq_t.baddbmm_(key_t[:, :, keys_here], grad_scores_t)
             grad_query[:, :, rows.start : rows.stop] = dq_t.transpose(1, 2).view(
@@ -193,30 +155,26 @@ def attend_backward(
     return unfold_heads(grad_query.mul_(scale)), grad_key.div_(units.unit), grad_value
 
 
-def sink_share(rows: RowStats, sinks: Tensor | None) -> Tensor | float:
-    """Each row's mass that the sink takes, ``p = exp(sink - shift) / total``, ``(B, H, Q)``
-    float64 (0 without sinks, and where nothing at all was summed: a -inf sink, no key)."""
-    if sinks is None:
-        return 0.0
-    logits = sinks.double().view(1, -1, 1) * rows.units.unit  # (1, H, 1), units
-    taken = rows.units.exp_(logits - rows.shift.double()) / rows.total.double()  # (B, H, Q)
-    return taken.masked_fill_(rows.total == 0, 0.0)
-
-
-def sink_gradient(share: Tensor, delta: Tensor) -> Tensor:
-    """d loss / d sinks ``(H,)``. A sink takes ``share`` of each row's mass
-    (:func:`sink_share`) and gives no value, so ``d out / d sink = -share * out`` and the
-    gradient is ``-sum share * delta`` over batch and rows, with ``delta = rowsum(grad_out *
-    out)``; summed in float64."""
-    return -(share * delta.double()).sum(dim=(0, 2))
-
-
-def delta_error(residue: Tensor, delta: Tensor, share: Tensor | float) -> Tensor:
-    """How far the ``delta`` a backward used falls short of each row's true ``sum p * dp``,
-    ``(B, H, Q)`` float64, from the ``residue`` its ``ds`` left (folded, as
-    :func:`attend_backward` fills it). Over the keys, whose probabilities sum to ``1 - share``,
-    ``sum ds = true - used * (1 - share)``, so ``true - used = residue - used * share``."""
-    return unfold_heads(residue) - delta.double() * share
+def _modifiers(
+    walk: BlockWalk,
+    grad_scores_t: Tensor,
+    rows: range,
+    columns: range,
+    rebased: bool,
+    grad_mask: Tensor | None,
+    row_residue: Tensor | None,
+) -> None:
+    """One tile's extras beyond FlashAttention-2's steps, on ``grad_scores_t (B*Hkv, C, R*G)``:
+    the float mask's gradient (the scores'), what ``ds`` sums to per row (the sinks' residue),
+    and ``ds`` carried through the softcap (``d tanh = 1 - tanh²``), in place."""
+    if grad_mask is not None:
+        tile = walk.unfold_tile(grad_scores_t, rows, columns, transposed=True)
+        grad_mask[:, :, rows.start : rows.stop, :, columns.start : columns.stop] = tile
+    if row_residue is not None:  # (B*Hkv, R*G)
+        row_residue += grad_scores_t.sum(dim=1, dtype=torch.float64)
+    if walk.cap is not None:
+        tanh = walk.tanh.transpose(1, 2) if rebased else walk.tanh  # (B*Hkv, C, R*G)
+        grad_scores_t.mul_(tanh.square_().neg_().add_(1.0))
 
 
 class _ExactTiles:
