@@ -197,6 +197,55 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1}, kept=kept)
 
 
+def _prepare_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm prepare``: the corpus, how its files hold documents, the tokenizer
+    and the token folder."""
+    import dataclasses
+
+    from octlm.training import config
+
+    parser.description = (
+        "Tokenise a corpus once into a token folder (--out) that `octlm train --data FOLDER` "
+        "reuses without tokenising again: token files, data.json (with the corpus's files, "
+        "sizes and times, to notice a change) and the BPE's tokenizer.json. A folder already "
+        "up to date is left as it is."
+    )
+    parser.add_argument("--out", required=True, help="the token folder to write")
+    data_fields = {"data", "glob", "text_field", "separator", "val_share", "tokenizer"}
+    data_fields.add("tokenizer_sample")
+    for field in dataclasses.fields(config.RunConfig):
+        if field.name in data_fields:
+            extras = {k: v for k, v in field.metadata.items() if k != "help"}
+            default = "" if field.default is None else f" (default {field.default})"
+            parser.add_argument(
+                "--" + field.name.replace("_", "-"),
+                dest=f"run.{field.name}",
+                default=None,
+                type=None if "choices" in extras else config._field_type(field.type),
+                help=field.metadata["help"] + default,
+                **extras,
+            )
+    parser.add_argument(
+        "--vocab-size", dest="model.vocab_size", type=int, help=config.MODEL_HELP["vocab_size"]
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm.training import prepare
+
+        model_values, run_values = config.explicit_values(args)
+        try:
+            model_config, run_config = config.resolve(None, None, model_values, run_values)
+            prepare.prepare_folder(run_config, model_config.vocab_size, args.out)
+        except ValueError as error:  # said with the flags the user typed
+            raise ValueError(config.as_flags(str(error))) from None
+        print(f"token folder: {args.out} (octlm train --data {args.out})")
+        return 0
+
+    parser.set_defaults(
+        run=run, exits={ValueError: 2, OSError: 1}, kept=lambda args: "no token folder written"
+    )
+
+
 def _sample_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm sample``: the run folder, the prompt and how to draw."""
     parser.description = (
@@ -314,6 +363,7 @@ VERBS = {
     "verify": (_verify_parser, "equivalence experiments -> runs/local/*.jsonl"),
     "bench": (_bench_parser, "one process per measurement -> runs/local/"),
     "report": (_report_parser, "tables and plots from records"),
+    "prepare": (_prepare_parser, "tokenise a corpus once -> a token folder for train"),
     "train": (_train_parser, "train a model -> a run folder"),
     "sample": (_sample_parser, "text from a run folder's checkpoint"),
     "export": (_export_parser, "a run or model file -> transformers folder or GGUF"),

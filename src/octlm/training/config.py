@@ -22,6 +22,7 @@ from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 from octlm.training.budget import parse_duration
+from octlm.training.corpus import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Formats
 from octlm.training.optim import DEFAULT_OPTIMIZER, OPTIMIZERS
 from octlm.training.precision import AUTO
 
@@ -63,8 +64,30 @@ def _switch(help: str):
 class RunConfig:
     """Everything about a run except the model: data, optimisation, precision, bookkeeping."""
 
-    data: str | None = _option(None, "a text file or folder (default: this Python's stdlib)")
-    glob: str | None = _option(None, "files of a --data folder (default **/*.txt; stdlib **/*.py)")
+    data: str | None = _option(
+        None,
+        "a corpus file or folder (text, JSON Lines, JSON, Parquet, Arrow; plain or .gz, .zst, "
+        ".xz, .bz2), or tokens octlm prepare wrote (default: this Python's stdlib)",
+    )
+    glob: str | None = _option(
+        None,
+        "files of a --data folder, {a,b} for either (default: every format above, "
+        f"{DEFAULT_GLOB}; stdlib **/*.py)",
+    )
+    text_field: str = _option(
+        "text",
+        "the field of a JSON record, or column of a Parquet or Arrow table, that holds the "
+        "document (a.b: field b of field a)",
+    )
+    separator: str | None = _option(
+        None,
+        "a string that cuts text files into documents, such as '<|endoftext|>' (default: each "
+        "text file is one)",
+    )
+    tokenizer_sample: int = _option(
+        DEFAULT_TOKENIZER_SAMPLE,
+        "bytes of training text a BPE learns from at most, chosen by hash (0: all of it)",
+    )
     val_share: float = _option(0.1, "share of documents held out for validation")
     tokenizer: str = _option(
         "bpe",
@@ -135,7 +158,7 @@ class RunConfig:
         for name in positive:
             if not is_int_at_least(getattr(self, name), 1):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("warmup", "seed", "sample_tokens"):
+        for name in ("warmup", "seed", "sample_tokens", "tokenizer_sample"):
             if not is_int_at_least(getattr(self, name), 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         for field in fields(self):  # a config file could give "false" for false
@@ -165,6 +188,7 @@ class RunConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.dtype not in (AUTO, *DTYPES):
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
+        Formats(self.text_field, self.separator)
         if self.tokenizer not in NAMES:
             raise ValueError(f"tokenizer must be one of {NAMES}, got {self.tokenizer!r}")
         if self.fsdp and self.context_parallel:

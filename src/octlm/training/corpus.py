@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 BLOCK = 1 << 20  # bytes read at a time from a text file
 JSON_ARRAY_LIMIT = 128 * 2**20  # a JSON array is parsed whole: beyond this, JSON Lines
+DEFAULT_TOKENIZER_SAMPLE = 200 * 10**6  # bytes of training text a BPE learns from at most
 ROWS = 1024  # rows of a Parquet file decoded at a time
 EXTRA = "pip install 'octlm[data]'"  # pyarrow, and zstandard where Python has no zstd
 COMPRESSIONS = (".gz", ".zst", ".xz", ".bz2")

@@ -51,9 +51,9 @@ from torch import Tensor
 
 from octlm.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer, text_pieces
 from octlm.training import corpus
-from octlm.training.corpus import DEFAULT_GLOB, SKIPPED_FOLDERS, Formats
+from octlm.training.corpus import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, SKIPPED_FOLDERS, Formats
 
-__all__ = ["DEFAULT_GLOB", "SKIPPED_FOLDERS", "Formats"]
+__all__ = ["DEFAULT_GLOB", "DEFAULT_TOKENIZER_SAMPLE", "SKIPPED_FOLDERS", "Formats"]
 
 SPLITS = ("train", "val")
 STDLIB_GLOB = "**/*.py"
@@ -71,7 +71,6 @@ IGNORED = -100  # a target that counts for nothing (F.cross_entropy's default ig
 DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32}
 TYPECODES = {1: "B", 2: "H", 4: next(code for code in "IL" if array(code).itemsize == 4)}
 BATCH_BYTES = 1 << 20  # short documents are encoded together, this many bytes at a time
-DEFAULT_TOKENIZER_SAMPLE = 200 * 10**6  # bytes of training text a BPE learns from at most
 # How the split was made (data.json's "split"), by what the corpus holds.
 RULES = {
     "tail": "its one document's last share of bytes",
@@ -252,7 +251,7 @@ def training_texts(
 
 
 def _training_texts(found: Corpus, sample: int | None) -> Iterator[bytes]:
-    share = 1.0 if sample is None else min(1.0, sample / max(_estimated_bytes(found), 1))
+    share = 1.0 if sample is None else min(1.0, sample / max(estimated_bytes(found), 1))
     given = 0
     for part in found.parts():
         if part.split != "train":
@@ -267,7 +266,7 @@ def _training_texts(found: Corpus, sample: int | None) -> Iterator[bytes]:
                 return
 
 
-def _estimated_bytes(found: Corpus) -> int:
+def estimated_bytes(found: Corpus) -> int:
     """About how many bytes the corpus's texts hold: a compressed file's (or Parquet's) size
     times 4."""
     squeezed = [corpus.compression_of(f) or corpus.format_of(f) == "parquet" for f in found.files]
@@ -303,7 +302,7 @@ def write_tokens(
     found.check_files()
     folder.mkdir(parents=True, exist_ok=True)
     summary = {"source": str(found.root), "glob": glob, "val_share": val_share}
-    summary |= {"split": found.rule, "formats": _options(found), "empty_skipped": 0}
+    summary |= {"split": found.rule, "formats": options_of(found), "empty_skipped": 0}
     summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
     summary |= {f"{split}_tokens": 0 for split in SPLITS}
     summary |= {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size}
@@ -330,7 +329,7 @@ def write_tokens(
     return summary
 
 
-def _options(found: Corpus) -> dict:
+def options_of(found: Corpus) -> dict:
     """The format options that shaped the corpus's documents."""
     return {"text_field": found.formats.text_field, "separator": found.formats.separator}
 
