@@ -1,16 +1,21 @@
-"""Fail when the modules of ``src/octlm`` import each other in a cycle, or the product imports
-the lab.
+"""Fail when the modules of ``src/octlm`` import each other in a cycle, import up the layers
+of :data:`LAYERS`, import the lab from the product, or reach past a door.
 
 Reads every module with ``ast`` (nothing is imported, so it runs without torch) and counts every
 ``import`` statement: at the top, inside functions and under ``TYPE_CHECKING`` alike, since
 each one ties the two files together for a reader. ``from package import name`` points at the
-submodule when ``name`` is one, else at the package's ``__init__``. A parent package that
-Python initialises on the way to a submodule is not an edge of its own.
+submodule when ``name`` is one, else at the package's ``__init__``. A package's ``__init__``
+imports what it imports, and also each module its text names in a string of its own (the
+table of a lazy ``__getattr__``). A parent package that Python initialises on the way to a
+submodule is not an edge of its own.
 
-The lab (``octlm.lab``: benchmarks, report, verify) may import the product; no module outside
-it may import the lab, but the command line (:data:`DOORS`), which is the door to both.
+:data:`LAYERS` is the order of docs/design.md, 'Layout', from the leaves up to the command
+line: a module imports its own layer and those below, never one above, and every module has a
+layer. The lab (``octlm.lab``: benchmarks, report, verify) may import the product; no module
+outside it may import the lab, but the command line (:data:`DOORS`), which is the door to both.
+A module of :data:`PRIVATE` is imported only by the modules named beside it.
 
-    python scripts/import_cycles.py [SRC]     # exit 0, or 1 and every cycle or lab import
+    python scripts/import_cycles.py [SRC]     # exit 0, or 1 and every fault found
 """
 
 from __future__ import annotations
@@ -22,6 +27,31 @@ from pathlib import Path
 LAB = "octlm.lab"
 # The modules outside the lab that may import it: the command line reaches the lab's verbs.
 DOORS = ("octlm.cli", "octlm.__main__")
+# The layers, from the leaves up: each name is a module and every module below it. ``octlm``
+# (the package's own names, each loaded on first use) stands for its ``__init__`` alone.
+LAYERS = (
+    (
+        "octlm.equality", "octlm.files", "octlm.machine", "octlm.records", "octlm.memory",
+        "octlm.signals", "octlm.progress", "octlm.context_parallel",
+    ),
+    ("octlm.attention",),
+    ("octlm.tokenizer",),
+    ("octlm.integrations",),
+    ("octlm.model",),
+    ("octlm.training",),
+    ("octlm.export", "octlm.run_folder"),
+    ("octlm.lab",),
+    ("octlm", "octlm.cli", "octlm.__main__"),
+)  # fmt: skip
+# module -> the only modules that may import it: the tiled engines sit behind their door.
+PRIVATE = {
+    "octlm.attention.tiled.whole": ("octlm.attention.tiled.engine",),
+    "octlm.attention.tiled.walk": (
+        "octlm.attention.tiled.engine",
+        "octlm.attention.tiled.walk_backward",
+    ),
+    "octlm.attention.tiled.walk_backward": ("octlm.attention.tiled.engine",),
+}
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -40,7 +70,10 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
+        if path.name == "__init__.py" and isinstance(node, ast.Constant):
+            if isinstance(node.value, str) and node.value in known:  # a lazy table's entry
+                targets.add(node.value)
+        elif isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -97,6 +130,38 @@ def lab_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     )
 
 
+def layer(name: str) -> int | None:
+    """The index in :data:`LAYERS` of the layer that holds module ``name``, if any."""
+    for index, names in enumerate(LAYERS):
+        for top in names:
+            if name == top or (top != "octlm" and name.startswith(top + ".")):
+                return index
+    return None
+
+
+def layer_faults(graph: dict[str, set[str]], named: set[tuple[str, str]]) -> list[str]:
+    """Every module in no layer, and every import of a higher layer than the importer's but
+    those ``named`` already."""
+    faults = [f"{name} is in no layer of LAYERS" for name in sorted(graph) if layer(name) is None]
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if (name, target) in named or None in (layer(name), layer(target)):
+                continue
+            if layer(target) > layer(name):
+                faults.append(f"{name} imports {target}, a higher layer")
+    return faults
+
+
+def private_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a :data:`PRIVATE` module by a module not named beside it."""
+    return [
+        f"{name} imports {target}, which only {', '.join(PRIVATE[target])} may"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if target in PRIVATE and name not in PRIVATE[target]
+    ]
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "src"
     known = modules(root)
@@ -107,10 +172,18 @@ def main(argv: list[str]) -> int:
     crossing = lab_imports(graph)
     for name, target in crossing:
         print(f"{name} imports the lab: {target}", file=sys.stderr)
-    if found or crossing:
+    faults = private_imports(graph)
+    if any(name.startswith("octlm.") for name in known):  # the layers are octlm's
+        faults = layer_faults(graph, set(crossing)) + faults
+    for fault in faults:
+        print(fault, file=sys.stderr)
+    if found or crossing or faults:
         return 1
     edges = sum(len(targets) for targets in graph.values())
-    print(f"no import cycle among {len(known)} modules ({edges} imports)")
+    print(
+        f"no import cycle among {len(known)} modules ({edges} imports), none up the "
+        f"{len(LAYERS)} layers, none past a door"
+    )
     return 0
 
 

@@ -77,7 +77,7 @@ class RowStats:
     total: Tensor
     units: Units
     careful: bool = False  # the forward met a non-finite input: hide by masked fills
-    # The tiles, by (first row, first key), whose scores the forward formed whole and then
+    # The tiles, by (first row, first key), whose scores the forward formed unshifted and then
     # shifted (a rebase), and whether its operands carried the shift column: the backward
     # forms those tiles again from operands laid out the same way, so their probabilities are
     # the forward's bit for bit (a row whose only score is its shift gets exactly 1).

@@ -153,7 +153,7 @@ def _one_row_each(query, key, value, rules: Rules) -> tuple[Tensor, RowStats]:
     units.exp_(weights.sub_(shift))
     total = weights.sum(dim=-1, keepdim=True)  # (B*Hkv, G, 1)
     out = torch.bmm(weights, as_3d(blockwise(value.to(dtype)))).div_(total)  # (B*Hkv, G, D)
-    # Formed whole and shifted, as the walk's first (and widest) block, from plain operands.
+    # Formed unshifted, then shifted, as the walk's first (and widest) block, from plain operands.
     shift, total = shift.view(batch, heads, 1), total.view(batch, heads, 1)
     stats = RowStats(shift, total, units, rebased=frozenset({(0, 0)}), shift_column=False)
     return out.view(batch, heads, 1, head_size), stats

@@ -3,7 +3,7 @@ at a time) and its forward, FlashAttention's online softmax (:class:`OnlineSoftm
 :func:`walk_forward`).
 
 Blocks that the causal/window rules, padding, packed documents or a block mask hide entirely are
-never touched; blocks the rules show whole get no mask arithmetic at all; only tiles that cross
+never touched; blocks the rules show in full get no mask arithmetic at all; only tiles that cross
 an edge get their hidden places at ``-inf``. No ``q_len x k_len`` tensor is ever made. For each
 query block a per-row shift, the running sum and the unnormalised output are carried across key
 blocks, and the output is normalised once at the end.
@@ -82,7 +82,7 @@ class BlockWalk:
         self.batch, self.kv_heads, self.q_len, self.group, _ = query.shape
         self.k_len = keys.shape[2]
         # Padding: keys past the longest length or before the earliest start are skipped,
-        # keys between the latest start and the shortest length are whole; only blocks in
+        # keys between the latest start and the shortest length are all present; only blocks in
         # between need the per-batch mask.
         key_lengths, key_starts = rules.key_lengths, rules.key_starts
         self.key_lengths, self.key_starts = key_lengths, key_starts
@@ -284,14 +284,14 @@ class BlockWalk:
             if self.keep_tanh:
                 self._local.tanh = self.tile("tanh", *scores.shape).copy_(scores)
             scores.mul_(self.cap)
-        whole = fully_visible(rows, columns, self.past, self.causal, self.window)
+        in_full = fully_visible(rows, columns, self.past, self.causal, self.window)
         padded = columns.stop > self.shortest or columns.start < self.latest
         mixed = (rows.start, columns.start) in self._mixed
         piece = None
         if self.block_map is not None:
             piece = self.block_map.piece(rows.start // self.block_q, columns.start // self.block_k)
         plain = self.mask is None and self.alibi is None and piece is None
-        if whole and not padded and not mixed and plain:
+        if in_full and not padded and not mixed and plain:
             return scores
         tile = self.unfold_tile(scores, rows, columns, transposed)  # (B, Hkv, R, G, C) view
         if self.alibi is not None:  # a float bias, added before the shift is subtracted
@@ -314,7 +314,7 @@ class BlockWalk:
                 tile.add_(part if self.units.unit == 1.0 else part * self.units.unit)
                 if self.careful:  # NaN + -inf is NaN: hide what the mask hides
                     tile.masked_fill_(part == NEG_INF, NEG_INF)
-        if not whole:
+        if not in_full:
             if self.careful:
                 tile.masked_fill_(self._edge(rows, columns).unsqueeze(1) == NEG_INF, NEG_INF)
             else:
@@ -525,8 +525,8 @@ def _walk(
         total = torch.empty_like(shift)  # (B, Hkv, Q, G)
 
         def write(rows: range) -> None:
-            for whole, part in zip((out, shift, total), attend(rows), strict=True):
-                whole[:, :, rows.start : rows.stop] = part
+            for full, part in zip((out, shift, total), attend(rows), strict=True):
+                full[:, :, rows.start : rows.stop] = part
 
         parallel_map(write, blocks, query.device)
     rows = RowStats(

@@ -67,11 +67,11 @@ def walk_backward(
     value = blockwise(value.to(dtype))  # (B, Hkv, K, D)
     # The forward's rebased tiles are formed again from operands laid out as its own were (with
     # or without the shift column), so that their scores are its scores to the last bit.
-    whole_queries, whole_keys = folded, keys
+    plain_queries, plain_keys = folded, keys
     if stats.rebased and stats.shift_column != fused:
         column = 0.0 if stats.shift_column else None
-        whole_queries = fold(query, kv_heads, scale * units.unit, dtype, column)
-        whole_keys = fold_keys(key, dtype, None if column is None else 1.0)
+        plain_queries = fold(query, kv_heads, scale * units.unit, dtype, column)
+        plain_keys = fold_keys(key, dtype, None if column is None else 1.0)
     walk = BlockWalk(folded, keys, rules, units, careful=stats.careful, keep_tanh=True)
     # Keys as (B*Hkv, D, K), so dqᵀ += keysᵀ @ dsᵀ has no transposed first operand.
     key_t = as_3d(keys[..., :head_size].transpose(-2, -1).contiguous())  # (B*Hkv, D, K)
@@ -109,12 +109,12 @@ def walk_backward(
                 mine = slice(columns.start - seen.start, columns.stop - seen.start)  # in the buffer
                 products = walk.tile("products", value.shape[0], len(columns), head_size)
                 size_t = (value.shape[0], len(columns), len(rows) * walk.group)
-                # As the forward formed the tile (whole scores, then minus the shift) wherever
+                # As the forward formed the tile (scores, then minus the shift) wherever
                 # that costs no extra pass: its probabilities are then the forward's.
                 rebased = not fused or (rows.start, columns.start) in stats.rebased
                 if rebased:
-                    whole = walk.rows(whole_queries, rows)[..., :head_size]
-                    scores = walk.scores(whole, rows, columns, keys=whole_keys)  # (…, R, C)
+                    plain = walk.rows(plain_queries, rows)[..., :head_size]
+                    scores = walk.scores(plain, rows, columns, keys=plain_keys)  # (…, R, C)
                     probs_t = torch.sub(
                         scores.transpose(1, 2), shift_row, out=walk.tile("scores_t", *size_t)
                     )  # (B*Hkv, C, R)
