@@ -110,8 +110,7 @@ def attend_backward(
 
 
 def _nothing_to_see(query: Tensor, rules: Rules) -> tuple[Tensor, RowStats]:
-    """No rows, or no keys to see: zeros, as naive gives. A sink alone is in each row's
-    denominator, so its log-sum-exp is the sink's logit (-inf for a -inf sink)."""
+    """No rows, or no keys to see: zeros, as naive gives; each row's lse is its sink's logit."""
     dtype = accumulation_dtype(query.dtype)
     units = Units.choose(rules)
     out = query.new_zeros(query.shape, dtype=dtype)  # (B, H, Q, D)
@@ -124,8 +123,7 @@ def _nothing_to_see(query: Tensor, rules: Rules) -> tuple[Tensor, RowStats]:
 
 
 def _sees_every_key(query: Tensor, key: Tensor, rules: Rules) -> bool:
-    """Whether this is one query row per head (decoding a token) that sees every key: then
-    its attention is a single softmax, whatever the tiles."""
+    """Whether each head has one query row (a decoded token) that sees every key, unmodified."""
     keys = range(key.shape[2])
     if query.shape[2] != 1 or not fully_visible(
         range(1), keys, rules.past, rules.causal, rules.window

@@ -450,8 +450,7 @@ def walk_forward(
 def _walk(
     query: Tensor, key: Tensor, value: Tensor, rules: Rules, *, careful: bool
 ) -> tuple[Tensor, RowStats]:
-    """One pass of :func:`walk_forward`; with ``careful``, hidden places are filled, never
-    added to, so a NaN a row cannot see stays out of it."""
+    """One pass of :func:`walk_forward`; ``careful`` hides places by fills, never by sums."""
     mask, scale, sinks = rules.mask, rules.scale, rules.sinks
     dtype = accumulation_dtype(query.dtype)
     heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[-1]

@@ -178,9 +178,8 @@ def _modifiers(
 
 
 class _ExactTiles:
-    """A walk's tiles formed again in float64, for the ALiBi slopes' moments: each slope's
-    gradient sums one covariance per row over every score, which float32 scores perturb by up
-    to several times naive's error."""
+    """A walk's tiles formed again in float64, for the ALiBi slopes' moments (why: docs/design.md,
+    'The numerics of the tiled core')."""
 
     def __init__(self, query, key, value, grad_out, rows: RowStats, rules: Rules):
         kv_heads, dtype = key.shape[1], torch.float64

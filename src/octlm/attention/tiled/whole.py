@@ -366,8 +366,7 @@ def whole_backward(
 
 def _slope_moments(exact: _Call, b: int, kv: slice, grad_out, shift, softcap) -> Tensor:
     """One piece's :func:`~octlm.attention.tiled.core.slope_moments` ``(n*G, Q, 4)``, its scores
-    and ``dp`` formed again in float64 (each slope's gradient sums one row's covariance over
-    every score, which float32 scores perturb by up to several times naive's error)."""
+    and ``dp`` formed again in float64 (why: docs/design.md, 'The numerics of the tiled core')."""
     heads = exact.heads(kv)
     scores, _ = _scores(exact, b, kv, softcap)  # (n*G, Q, K), natural units
     weights = scores.sub_(shift[b, heads, :, None].double()).exp_()  # (n*G, Q, K)
