@@ -1,11 +1,13 @@
 """Held-out bits per byte of training runs over their whole validation split, one protocol for
 every tokenizer: a fairer final figure than a run's own evaluation, which samples windows.
 
-    .venv/bin/python benchmarks/held_out_bits.py RUN_DIR [RUN_DIR ...] [--output FILE]
+    .venv/bin/python benchmarks/held_out_bits.py RUN_DIR [RUN_DIR ...] [--step best|last|N]
+        [--output FILE]
 
-Each run's latest checkpoint reads its validation tokens in consecutive windows of the run's
-``--length`` that overlap by one token, so every token after the first is predicted exactly once,
-from at most ``length`` tokens of context. The summed losses (in bits) over the bytes those
+Each run's checkpoint (``--step``: by default the best, which ``octlm sample`` and ``octlm
+export`` take; the record says which) reads its validation tokens in consecutive windows of the
+run's ``--length`` that overlap by one token, so every token after the first is predicted exactly
+once, from at most ``length`` tokens of context. The summed losses (in bits) over the bytes those
 targets stand for give bits per byte, on the same bytes whatever the tokenizer. One JSON record
 per run is printed, and appended to ``--output`` when given.
 """
@@ -24,13 +26,16 @@ import torch.nn.functional as F
 import octlm
 from octlm import records
 from octlm.training import data
+from octlm.training.folder import BEST, choose
 
 BATCH = 32  # windows per forward pass
 
 
-def held_out(folder: Path) -> dict:
-    """The record of one run: its step, and bits per byte over the whole validation split."""
-    model, tokenizer, step = octlm.load_run(folder)
+def held_out(folder: Path, step: int | str = BEST) -> dict:
+    """The record of one run at the checkpoint ``step`` names: its step, how it was chosen,
+    and bits per byte over the whole validation split."""
+    chosen = choose(folder, step)
+    model, tokenizer, step = octlm.load_run(folder, step=chosen.step)
     length = json.loads((folder / "config.json").read_text())["run"]["length"]
     tokens = data.load_tokens(folder / "data", "val", length).long()  # (N,)
     token_bytes = tokenizer.token_bytes  # (V,)
@@ -51,7 +56,7 @@ def held_out(folder: Path) -> dict:
             ).item()
             covered += int(token_bytes[targets].sum())
     return records.make("check", "held-out-bits") | {
-        "folder": str(folder), "step": step, "tokenizer": tokenizer.name,
+        "folder": str(folder), "step": step, "checkpoint": chosen.how, "tokenizer": tokenizer.name,
         "length": length, "targets": len(tokens) - 1, "bytes": covered,
         "bits_per_byte": nats / math.log(2) / covered,
     }  # fmt: skip
@@ -60,10 +65,17 @@ def held_out(folder: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument(
+        "--step",
+        type=lambda text: int(text) if text.isdigit() else text,
+        default=BEST,
+        help="each run's checkpoint: best (the lowest validation loss; the last where the run "
+        "records none), last, or a step (default %(default)s)",
+    )
     parser.add_argument("--output", type=Path, help="records file to append to")
     args = parser.parse_args(argv)
     for folder in args.runs:
-        record = held_out(folder)
+        record = held_out(folder, args.step)
         if args.output is not None:
             records.append(args.output, record)
         print(json.dumps(record))

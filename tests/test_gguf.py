@@ -24,6 +24,7 @@ gguf = pytest.importorskip("gguf")
 from octlm import ModelConfig, OctLM  # noqa: E402
 from octlm.cli import main  # noqa: E402
 from octlm.export import export  # noqa: E402
+from octlm.integrations import gguf_format  # noqa: E402
 from octlm.tokenizer import END_OF_TEXT, BPETokenizer, byte_symbols  # noqa: E402
 from octlm.training.sample import generate_text  # noqa: E402
 from tests.transformers_folders import TEXTS, make_run, peaked, rope_tolerance  # noqa: E402
@@ -156,17 +157,29 @@ def test_the_file_holds_every_tensor_and_key(tmp_path, tokenizer, tied):
         assert np.array_equal(tensors[name], tensor.numpy()), name
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision_on_request_keeps_the_norms_in_float32(tmp_path, dtype):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8_0"])
+def test_every_type_keeps_the_norms_of_the_model_bit_for_bit(tmp_path, dtype):
     run, model, _bpe = write_run(tmp_path, "bytes", tied=False)
-    assert (
-        main(["export", str(run), str(tmp_path / "model"), "--format", "gguf", "--dtype", dtype])
-        == 0
-    )
-    reader = gguf.GGUFReader(tmp_path / "model")
+    out = tmp_path / "model"
+    assert main(["export", str(run), str(out), "--format", "gguf", "--dtype", dtype]) == 0
+    reader = gguf.GGUFReader(out)
+    state = gguf_format.gguf_tensors(model.config, model.state_dict())
+    norms = [tensor for tensor in reader.tensors if tensor.name.endswith("norm.weight")]
+    assert len(norms) == 2 * CONFIG.n_layers + 1
+    for tensor in norms:
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, tensor.name
+        ours = state[tensor.name].numpy()
+        assert np.array_equal(np.array(tensor.data).view(np.uint32), ours.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_matrices_are_the_weights_rounded_once(tmp_path, dtype):
+    run, model, _bpe = write_run(tmp_path, "bytes", tied=False)
+    out = tmp_path / "model"
+    assert main(["export", str(run), str(out), "--format", "gguf", "--dtype", dtype]) == 0
+    reader = gguf.GGUFReader(out)
     kinds = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
     wanted = {"float16": gguf.GGMLQuantizationType.F16, "bfloat16": gguf.GGMLQuantizationType.BF16}
-    assert kinds["output_norm.weight"] == gguf.GGMLQuantizationType.F32
     assert kinds["blk.0.ffn_down.weight"] == kinds["output.weight"] == wanted[dtype]
     data = {tensor.name: tensor.data for tensor in reader.tensors}
     head = model.state_dict()["head.weight"].to(getattr(torch, dtype))
@@ -176,6 +189,43 @@ def test_half_precision_on_request_keeps_the_norms_in_float32(tmp_path, dtype):
     if dtype == "bfloat16":
         stored = stored.view(torch.bfloat16)
     assert torch.equal(stored.reshape(head.shape), head)
+
+
+@pytest.mark.parametrize("flag", [("--dtype", "q8_0"), ("--outtype", "q8_0")])
+def test_q8_0_is_gguf_s_own_quantizer_with_float16_where_rows_do_not_fit(tmp_path, capsys, flag):
+    run, model, _bpe = write_run(tmp_path, "bytes", tied=False)  # MLP width 88: not 32s
+    assert main(["export", str(run), str(tmp_path / "model.gguf"), *flag]) == 0
+    said = capsys.readouterr().out
+    reader = gguf.GGUFReader(tmp_path / "model.gguf")
+    assert fields(reader)["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    state = gguf_format.gguf_tensors(model.config, model.state_dict())
+    down = [f"blk.{layer}.ffn_down.weight" for layer in range(CONFIG.n_layers)]
+    assert "in float16, as q8_0 cannot hold their rows (a length not a multiple of its " in said
+    assert said.rstrip().endswith(", ".join(down))
+    q8_0, f16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16
+    for tensor in reader.tensors:
+        ours = state[tensor.name].numpy()
+        if ours.ndim == 1:
+            continue
+        if tensor.name in down:
+            assert tensor.tensor_type == f16 and ours.shape[-1] % 32
+            assert np.array_equal(np.array(tensor.data), ours.astype(np.float16))
+        else:
+            assert tensor.tensor_type == q8_0, tensor.name
+            assert np.array_equal(np.array(tensor.data), gguf.quants.quantize(ours, q8_0))
+            # within half a step of max/127 per block of 32, and the float16 rounding of that
+            # step times up to 127
+            back = gguf.quants.dequantize(np.array(tensor.data), q8_0)
+            blocks = np.abs(ours.reshape(-1, 32)).max(axis=1, keepdims=True)
+            assert (np.abs(back - ours).reshape(-1, 32) <= blocks / 127 * 0.6).all()
+
+
+def test_q8_0_is_refused_for_a_transformers_folder(tmp_path, capsys):
+    run, _model, _bpe = write_run(tmp_path, "bytes", tied=True)
+    assert main(["export", str(run), str(tmp_path / "folder"), "--dtype", "q8_0"]) == 2
+    assert "dtype must be one of ('float32', 'float16', 'bfloat16') for transformers" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_windowed_model_is_refused_in_one_line(tmp_path, capsys):

@@ -38,9 +38,10 @@ def test_run_writes_records_picture_and_checkpoints(corpus, tmp_path):
     assert outcome.val_loss == evals[-1]["val_loss"] and outcome.stopped_by is None
     assert len({record["run"] for record in steps + evals}) == 1  # the launch's run id
     assert isinstance(steps[0]["run"], str)
-    assert [p.name for p in checkpoint.listed(folder)] == [
-        "checkpoint-0000004.pt", "checkpoint-0000006.pt"
-    ]  # fmt: skip
+    best = evals[-1]["best_step"]  # its checkpoint is kept besides the last two
+    assert [p.name for p in checkpoint.listed(folder)] == sorted(
+        {"checkpoint-0000004.pt", "checkpoint-0000006.pt", f"checkpoint-{best:07d}.pt"}
+    )
     assert (folder / PICTURE).stat().st_size > 0
     assert resolve(file=folder / "config.json") == (model_config, run)
 

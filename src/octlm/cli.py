@@ -247,13 +247,15 @@ def _prepare_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _sample_parser(parser: argparse.ArgumentParser) -> None:
-    """Options of ``octlm sample``: the run folder, the prompt and how to draw."""
+    """Options of ``octlm sample``: the run folder, its checkpoint, the prompt and how to draw."""
     parser.description = (
-        "Continue a prompt with the latest checkpoint of a run folder (any run: one process, "
-        "DDP, FSDP or context parallel), decoding with the KV cache."
+        "Continue a prompt with a run folder's best checkpoint (lowest validation loss; the "
+        "last where the run records none) or --step's, decoding with the KV cache (any run: "
+        "one process, DDP, FSDP or context parallel)."
     )
     parser.add_argument("run_dir", help="a folder written by octlm train")
     parser.add_argument("--prompt", required=True, help="text to continue")
+    _step_option(parser)
     parser.add_argument(
         "--max-new-tokens", type=int, default=256, help="tokens to generate (bytes for a byte run)"
     )
@@ -274,8 +276,10 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
     def run(args: argparse.Namespace) -> int:
         from octlm import load_run
         from octlm.training import generate_text
+        from octlm.training.folder import BEST, choose
 
-        model, tokenizer, step = load_run(args.run_dir, args.device)
+        chosen = choose(args.run_dir, BEST if args.step is None else args.step)
+        model, tokenizer, step = load_run(args.run_dir, args.device, step=chosen.step)
         text = generate_text(
             model,
             args.prompt,
@@ -295,19 +299,29 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
                 else ", no end-of-text token (a BPE run whose tokenizer has none)"
             )
         )
-        print(f"# {args.run_dir}, checkpoint of step {step}{ending}", file=sys.stderr)
+        print(f"# {args.run_dir}, checkpoint of step {step}, {chosen.how}{ending}", file=sys.stderr)
         print(text)
         return 0
 
     parser.set_defaults(run=run)
 
 
+def _step_option(parser: argparse.ArgumentParser) -> None:
+    """``--step`` of ``octlm sample`` and ``octlm export``: best, last or a kept step."""
+    parser.add_argument(
+        "--step",
+        type=lambda text: int(text) if text.isdigit() else text,
+        help="the run's checkpoint: best (the default: the lowest validation loss, or the last "
+        "where the run records none), last, or the step of one it kept",
+    )
+
+
 def _export_parser(parser: argparse.ArgumentParser) -> None:
-    """Options of ``octlm export``: what to export and where."""
-    from octlm.export import DTYPES, FORMATS
+    """Options of ``octlm export``: what to export, where, and in which type."""
+    from octlm.export import DTYPES, FORMATS, OUTTYPES, QUANTIZED
 
     parser.description = (
-        "Write a run's model (its latest checkpoint, or --step's) or a model file saved with "
+        "Write a run's model (its best checkpoint, or --step's) or a model file saved with "
         "OctLM.save as a transformers folder: config.json, generation_config.json, "
         "model.safetensors and the tokenizer. AutoModelForCausalLM loads it as LlamaForCausalLM "
         "(MistralForCausalLM for a model with a window), AutoTokenizer as the run's tokenizer; "
@@ -319,28 +333,42 @@ def _export_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "out", help="the folder (or .gguf file) to write; a folder must not exist or be empty"
     )
-    parser.add_argument("--step", type=int, help="the run's checkpoint of this step")
+    _step_option(parser)
     parser.add_argument(
         "--format",
         choices=FORMATS,
         help="transformers (a folder) or gguf (one file); default: gguf for an OUT ending in "
         ".gguf, else transformers",
     )
-    parser.add_argument(
+    types = parser.add_mutually_exclusive_group()
+    types.add_argument(
         "--dtype",
-        choices=list(DTYPES),
-        help="the weights' dtype (default: as trained for transformers, float32 for gguf)",
+        choices=[*DTYPES, *QUANTIZED],
+        help="the weights' type (default: as trained for transformers, float32 for gguf); "
+        "q8_0 is gguf's 8-bit blocks; a GGUF file keeps its norms in float32",
+    )
+    types.add_argument(
+        "--outtype",
+        choices=list(OUTTYPES),
+        help="--dtype by llama.cpp's converter names: "
+        + ", ".join(f"{name} is {dtype}" for name, dtype in OUTTYPES.items()),
     )
 
     def run(args: argparse.Namespace) -> int:
         from octlm.export import export
 
-        exported = export(
-            args.source, args.out, step=args.step, format=args.format, dtype=args.dtype
-        )
-        step = "" if exported.step is None else f", checkpoint of step {exported.step}"
+        dtype = args.dtype or OUTTYPES.get(args.outtype)
+        exported = export(args.source, args.out, step=args.step, format=args.format, dtype=dtype)
+        step = ""
+        if exported.step is not None:
+            step = f", checkpoint of step {exported.step}, {exported.checkpoint}"
         tokenizer = exported.tokenizer or "no tokenizer (the model file's vocabulary is not bytes)"
-        print(f"{exported.folder}: {exported.architecture}{step}, tokenizer {tokenizer}")
+        print(f"{exported.folder}: {exported.architecture}{step}; tokenizer {tokenizer}")
+        if exported.fallbacks:
+            print(
+                f"in float16, as {dtype} cannot hold their rows (a length not a multiple of its "
+                f"block): {', '.join(exported.fallbacks)}"
+            )
         return 0
 
     # A bad source, step or output folder; a full disk.

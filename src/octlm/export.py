@@ -1,4 +1,4 @@
-"""``octlm export``: a run (at its latest or a given checkpoint) or a model file as a
+"""``octlm export``: a run (at its best, last or a given checkpoint) or a model file as a
 transformers folder that loads with no octlm installed, or as one GGUF file for llama.cpp.
 
 The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
@@ -24,39 +24,47 @@ import torch
 
 from octlm import signals
 from octlm.model import OctLM
-from octlm.run_folder import load_model
 from octlm.tokenizer import BYTE_VOCAB, TOKENIZER_FILE, BPETokenizer, load_tokenizer
+from octlm.training.folder import BEST, load_model
 
 BYTES = "bytes"  # the tokenizer of a byte model: ids are the UTF-8 bytes
 FORMATS = ("transformers", "gguf")
 GGUF_SUFFIX = ".gguf"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+QUANTIZED = ("q8_0",)  # GGUF only: gguf's own quantizer writes it
+# llama.cpp's converter names (convert_hf_to_gguf.py --outtype) -> export's
+OUTTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0"}
 
 
 class Exported(NamedTuple):
     """What :func:`export` wrote: the folder (or GGUF file), the class transformers builds
-    from it (or ``"GGUF llama"``), the checkpoint's step (None for a model file) and the
-    tokenizer (``"bytes"``, ``"bpe"`` or None)."""
+    from it (or ``"GGUF llama"``), the checkpoint's step (None for a model file), the
+    tokenizer (``"bytes"``, ``"bpe"`` or None), how the checkpoint was chosen (in words; None
+    for a model file), and the matrices written in float16 because a quantized type cannot
+    hold their rows (llama.cpp's names)."""
 
     folder: Path
     architecture: str
     step: int | None
     tokenizer: str | None
+    checkpoint: str | None = None
+    fallbacks: tuple[str, ...] = ()
 
 
 def export(
     source: str | os.PathLike,
     out: str | os.PathLike,
     *,
-    step: int | None = None,
+    step: int | str | None = None,
     format: str | None = None,
     dtype: str | None = None,
 ) -> Exported:
     """Write the model of ``source`` (a run folder, or a file saved with ``OctLM.save``) to the
     new folder ``out`` (``format="transformers"``) or the new file ``out`` (``"gguf"``; the
-    default when ``out`` ends in ``.gguf``); ``step`` picks a run's checkpoint (default: its
-    latest); ``dtype`` (float32, float16 or bfloat16) converts the weights (default: as they
-    are for transformers, float32 for GGUF).
+    default when ``out`` ends in ``.gguf``); ``step`` picks a run's checkpoint: ``"best"``
+    (the default: the lowest validation loss, or the last where the run records none),
+    ``"last"`` or a step; ``dtype`` (float32, float16, bfloat16; q8_0 for GGUF) converts the
+    weights (default: as they are for transformers, float32 for GGUF).
 
     A run's tokenizer goes with it (its ``tokenizer.json``, else bytes); a model file has bytes
     as its tokenizer when its vocabulary is 256, and none otherwise (which GGUF refuses).
@@ -65,12 +73,15 @@ def export(
         format = "gguf" if str(out).endswith(GGUF_SUFFIX) else "transformers"
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    types = (*DTYPES, *QUANTIZED) if format == "gguf" else tuple(DTYPES)
+    if dtype is not None and dtype not in types:
+        raise ValueError(f"dtype must be one of {types} for {format}, got {dtype!r}")
     check_out(out)
     source = Path(source)
+    how = None
     if source.is_dir():
-        model, step = load_model(source, step=step)
+        model, chosen = load_model(source, step=BEST if step is None else step)
+        step, how = chosen.step, chosen.how
         bpe = source / TOKENIZER_FILE
         tokenizer = BYTES if load_tokenizer(source).name == BYTES else bpe  # sizes checked
     elif source.is_file():
@@ -86,16 +97,20 @@ def export(
             "OctLM.save"
         )
     kind = None if tokenizer is None else BYTES if tokenizer == BYTES else "bpe"
-    if dtype is not None:
-        model = model.to(DTYPES[dtype])
     if format == "gguf":
-        path = export_gguf(model, out, tokenizer=tokenizer, dtype=DTYPES[dtype or "float32"])
-        return Exported(path, "GGUF llama", step, kind)
+        from octlm.integrations import gguf_format
+
+        dtype = dtype or "float32"
+        path = export_gguf(model, out, tokenizer=tokenizer, dtype=dtype)
+        fallbacks = gguf_format.fallbacks(model.config, model.state_dict(), dtype)
+        return Exported(path, "GGUF llama", step, kind, how, tuple(fallbacks))
     from octlm.integrations import llama_format
 
+    if dtype is not None:
+        model = model.to(DTYPES[dtype])
     folder = export_model(model, out, tokenizer=tokenizer)
     architecture = llama_format.FAMILY["mistral" if model.config.window else "llama"]
-    return Exported(folder, architecture, step, kind)
+    return Exported(folder, architecture, step, kind, how)
 
 
 def check_out(out: str | os.PathLike) -> None:
@@ -147,14 +162,17 @@ def export_gguf(
     out: str | os.PathLike,
     *,
     tokenizer: str | os.PathLike | None = BYTES,
-    dtype: torch.dtype = torch.float32,
+    dtype: str = "float32",
 ) -> Path:
-    """Write ``model`` to the new GGUF file ``out`` for llama.cpp, tensors in ``dtype``, with
-    ``tokenizer``: ``"bytes"`` or the path of a BPE ``tokenizer.json``. Returns ``out``."""
+    """Write ``model`` to the new GGUF file ``out`` for llama.cpp, matrices in ``dtype``
+    (float32, float16, bfloat16 or q8_0; the norms in float32, from the model's own weights),
+    with ``tokenizer``: ``"bytes"`` or the path of a BPE ``tokenizer.json``. Returns ``out``."""
     from octlm.integrations import gguf_format
 
     out = Path(out)
     gguf_format.check_exportable(model.config)
+    if dtype not in gguf_format.TYPES:
+        raise ValueError(f"dtype must be one of {tuple(gguf_format.TYPES)}, got {dtype!r}")
     if tokenizer is None:
         raise ValueError(
             f"a GGUF file holds its tokenizer, and this model's vocabulary of "

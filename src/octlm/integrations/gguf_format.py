@@ -4,9 +4,12 @@ Written with the ``gguf`` package (the library llama.cpp ships for this) under l
 ``llama`` architecture, which computes what octlm computes: pre-norm RMSNorm, RoPE, grouped-query
 attention, SwiGLU, no biases. docs/llama_cpp.md has the whole path and the key table.
 
-- Tensors: float32 (float16 or bfloat16 on request, norms kept in float32 as llama.cpp's own
-  converter keeps them), under llama.cpp's names; a tied head writes no ``output.weight``
-  (llama.cpp then reads the embedding), an untied one does.
+- Tensors: float32, or on request float16, bfloat16 or q8_0 (written by ``gguf``'s own
+  quantizer). The 1-D norm weights stay float32, taken from the model's own weights bit for
+  bit, as llama.cpp's converter keeps them; a matrix whose rows q8_0 cannot hold (a length not
+  a multiple of its block of 32) falls back to float16, as llama.cpp's converter does. Names
+  are llama.cpp's; a tied head writes no ``output.weight`` (llama.cpp then reads the
+  embedding), an untied one does.
 - RoPE: octlm turns the pair ``(i, i + D/2)`` of each head (rotate-half); llama.cpp's llama
   turns ``(2i, 2i + 1)``. Each head's query and key rows are interleaved to match
   (:func:`interleave`), which changes no score: a query and a key move the same way.
@@ -31,6 +34,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -44,12 +48,20 @@ from octlm.tokenizer import BYTE_VOCAB, END_OF_TEXT, byte_symbols
 
 ARCHITECTURE = "llama"
 PRE_TOKENIZER = "gpt-2"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FILE_TYPES = {
-    torch.float32: gguf.LlamaFileType.ALL_F32,
-    torch.float16: gguf.LlamaFileType.MOSTLY_F16,
-    torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16,
+TYPES = {  # the type names export takes -> the matrices' GGML type
+    "float32": gguf.GGMLQuantizationType.F32,
+    "float16": gguf.GGMLQuantizationType.F16,
+    "bfloat16": gguf.GGMLQuantizationType.BF16,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
 }
+FILE_TYPES = {
+    "float32": gguf.LlamaFileType.ALL_F32,
+    "float16": gguf.LlamaFileType.MOSTLY_F16,
+    "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+# What a matrix is written in when its rows do not fit the quantized type's blocks.
+FALLBACK = gguf.GGMLQuantizationType.F16
 # octlm name -> llama.cpp name, in each layer (prefixes ``blocks.N.`` and ``blk.N.``)
 LAYER_TENSORS = {
     "attention_norm.weight": "attn_norm.weight",
@@ -86,24 +98,46 @@ def interleave(rows: Tensor, heads: int) -> Tensor:
     return halves.transpose(1, 2).reshape(rows.shape)  # (H * D, C): row 2i+j = half j's i
 
 
-def rotate_half_order(rows: Tensor, heads: int) -> Tensor:
-    """The inverse of :func:`interleave`."""
-    size = rows.shape[0] // heads
-    pairs = rows.reshape(heads, size // 2, 2, *rows.shape[1:])  # (H, D/2, 2, C)
-    return pairs.transpose(1, 2).reshape(rows.shape)  # (H * D, C)
-
-
-def gguf_tensors(config, state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
-    """``state`` under llama.cpp's names: ``qkv`` split, q and k interleaved; matrices in
-    ``dtype``, the 1-D norm weights in float32."""
+def gguf_tensors(config, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` under llama.cpp's names, on the CPU in its own dtype: ``qkv`` split, q and k
+    interleaved."""
     tensors = renamed(config, state, MODEL_TENSORS, LAYER_TENSORS, PROJECTIONS, "blk.{}.")
     for layer in range(config.n_layers):
         for name, heads in zip(PROJECTIONS[:2], (config.n_heads, config.n_kv_heads), strict=True):
             tensors[f"blk.{layer}.{name}"] = interleave(tensors[f"blk.{layer}.{name}"], heads)
-    return {
-        name: tensor.detach().cpu().to(dtype if tensor.dim() > 1 else torch.float32).contiguous()
-        for name, tensor in tensors.items()
-    }
+    return {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+
+
+def tensor_type(tensor: Tensor, dtype: str) -> gguf.GGMLQuantizationType:
+    """The GGML type ``tensor`` is written in for export type ``dtype``: float32 for a 1-D
+    norm weight, :data:`FALLBACK` for a matrix whose rows do not fill whole blocks."""
+    if dtype not in TYPES:
+        raise ValueError(f"dtype must be one of {tuple(TYPES)}, got {dtype!r}")
+    if tensor.dim() < 2:
+        return gguf.GGMLQuantizationType.F32
+    wanted = TYPES[dtype]
+    block, _bytes = gguf.GGML_QUANT_SIZES[wanted]
+    return wanted if tensor.shape[-1] % block == 0 else FALLBACK
+
+
+def fallbacks(config, state: dict[str, Tensor], dtype: str) -> list[str]:
+    """The matrices (llama.cpp's names) written in :data:`FALLBACK` rather than ``dtype``."""
+    return [
+        name
+        for name, tensor in gguf_tensors(config, state).items()
+        if tensor.dim() > 1 and tensor_type(tensor, dtype) != TYPES[dtype]
+    ]
+
+
+def encoded(tensor: Tensor, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """``tensor``'s data as the writer takes it for GGML type ``kind``: float32 and float16 as
+    numpy arrays, bfloat16 and quantized types as their bytes."""
+    if kind == gguf.GGMLQuantizationType.BF16:  # numpy has no bfloat16: torch rounds, as gguf
+        return tensor.to(torch.bfloat16).view(torch.uint8).numpy()
+    if kind == gguf.GGMLQuantizationType.F16:
+        return tensor.to(torch.float16).numpy()
+    data = tensor.to(torch.float32).numpy()
+    return data if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(data, kind)
 
 
 def vocabulary(bpe: str | os.PathLike | None) -> dict:
@@ -132,12 +166,15 @@ def write(
     config,
     state: dict[str, Tensor],
     bpe: str | os.PathLike | None,
-    dtype: torch.dtype = torch.float32,
+    dtype: str = "float32",
     name: str = "octlm",
 ) -> None:
     """Write the GGUF file ``path`` for the octlm model of ``config`` whose weights are
-    ``state``, with the tokenizer of ``bpe`` (a ``tokenizer.json``; None: bytes)."""
+    ``state``, with the tokenizer of ``bpe`` (a ``tokenizer.json``; None: bytes); matrices in
+    ``dtype`` (a name of :data:`TYPES`) where their shape allows (:func:`tensor_type`)."""
     check_exportable(config)
+    if dtype not in TYPES:
+        raise ValueError(f"dtype must be one of {tuple(TYPES)}, got {dtype!r}")
     words = vocabulary(bpe)
     if len(words["tokens"]) != config.vocab_size:
         raise ValueError(
@@ -170,12 +207,9 @@ def write(
     writer.add_add_eos_token(False)
     # No chat template: with one, llama-completion turns to conversation mode, and its own
     # template engine refuses any template it does not know; a base model continues text.
-    for tensor_name, tensor in gguf_tensors(config, state, dtype).items():
-        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed by gguf
-            data = tensor.view(torch.uint8).numpy()
-            writer.add_tensor(tensor_name, data, raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            writer.add_tensor(tensor_name, tensor.numpy())
+    for tensor_name, tensor in gguf_tensors(config, state).items():
+        kind = tensor_type(tensor, dtype)
+        writer.add_tensor(tensor_name, encoded(tensor, kind), raw_dtype=kind)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -1,4 +1,4 @@
-"""Checkpoints: written atomically, the last few kept, checked when read back.
+"""Checkpoints: written atomically, the last few and the best kept, checked when read back.
 
 A checkpoint is one ``torch.save`` file, ``checkpoint-STEP.pt`` in the run folder, holding the
 full (unsharded) model and optimizer state keyed by parameter name, so a checkpoint of one
@@ -41,19 +41,34 @@ def is_own(name: str) -> bool:
     return bool(PATTERN.fullmatch(name) or TEMPORARY.fullmatch(name))
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint's file."""
+    return int(PATTERN.fullmatch(path.name)[1])
+
+
 def latest(folder: str | os.PathLike) -> Path | None:
     found = listed(folder)
     return found[-1] if found else None
 
 
-def save(folder: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
-    """Write the checkpoint of ``step`` atomically; delete all but the last ``keep``."""
+def save(
+    folder: str | os.PathLike, step: int, state: dict, keep: int, best: int | None = None
+) -> Path:
+    """Write the checkpoint of ``step`` atomically, then :func:`prune` the folder."""
     final = path_for(folder, step)
     contents = {"format": FORMAT, "step": step, **state}
     save_atomically({**contents, "sha256": checksum(contents, nested=True)}, final)
-    for old in listed(folder)[:-keep]:
-        old.unlink()
+    prune(folder, keep, best)
     return final
+
+
+def prune(folder: str | os.PathLike, keep: int, best: int | None = None) -> None:
+    """Delete every checkpoint but the last ``keep`` and the one of step ``best`` (the run's
+    lowest validation loss)."""
+    kept = None if best is None else path_for(folder, best)
+    for old in listed(folder)[:-keep]:
+        if old != kept:
+            old.unlink()
 
 
 def load(path: str | os.PathLike, model_config: ModelConfig) -> dict:

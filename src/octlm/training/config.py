@@ -44,7 +44,7 @@ DEFAULT_STEPS = 1000
 PREDATED = {"dtype": "float32", "tokenizer": "bytes", "optimizer": "adamw"}
 RESUMABLE = frozenset(
     {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
-    | {"checkpoint_every", "keep", "log_every", "prompt", "sample_tokens"}
+    | {"checkpoint_every", "keep", "early_stop", "log_every", "prompt", "sample_tokens"}
     | {"fsdp", "context_parallel"}
 )
 
@@ -136,7 +136,14 @@ class RunConfig:
     eval_every: int = _option(250, "steps between evaluations (and at the end)")
     eval_batches: int = _option(16, "fixed validation batches per evaluation")
     checkpoint_every: int = _option(250, "steps between checkpoints (and at the end)")
-    keep: int = _option(3, "checkpoints kept (the latest ones)")
+    keep: int = _option(
+        3, "checkpoints kept: the latest ones, and the best (lowest validation loss)"
+    )
+    early_stop: int | None = _option(
+        None,
+        "end the run once this many evaluations in a row came after its best, none better "
+        "(validation has risen); without it the run trains on and says so after 3",
+    )
     log_every: int = _option(10, "steps between metrics.jsonl records")
     prompt: str = _option("def ", "prompt of the sample printed at each evaluation")
     sample_tokens: int = _option(96, "tokens sampled at each evaluation")
@@ -155,6 +162,7 @@ class RunConfig:
         positive = ("batch", "length", "accumulate", "eval_every", "eval_batches")
         positive += ("steps",) if self.steps is not None else ()
         positive += ("checkpoint_every", "keep", "log_every")
+        positive += ("early_stop",) if self.early_stop is not None else ()
         for name in positive:
             if not is_int_at_least(getattr(self, name), 1):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")

@@ -19,6 +19,7 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from tqdm.auto import tqdm
 
@@ -35,7 +36,7 @@ from octlm.training.config import (
     stored_model,
     to_dict,
 )
-from octlm.training.metrics import METRICS, PICTURE
+from octlm.training.metrics import METRICS, PICTURE, recorded_best
 from octlm.training.sample import single_process
 
 DATA_FOLDER = "data"
@@ -275,29 +276,78 @@ def _check_overwritable(folder: Path) -> None:
 
 # --- read back ---------------------------------------------------------------------------------
 
+BEST, LAST = "best", "last"
+
+
+class Chosen(NamedTuple):
+    """The checkpoint a ``step`` choice picks in a run folder: its file, its step, and how it
+    was chosen, in words (``"the best (lowest validation loss)"``, ``"the last"``, ...)."""
+
+    path: Path
+    step: int
+    how: str
+
+
+class Run(NamedTuple):
+    """A run's model (in eval mode), its tokenizer and the step of the checkpoint loaded."""
+
+    model: OctLM
+    tokenizer: ByteTokenizer | BPETokenizer
+    step: int
+
+
+def load_run(folder: str | os.PathLike, device: str = "cpu", *, step: int | str = BEST) -> Run:
+    """The model of the run in ``folder`` at its best checkpoint (lowest validation loss), with
+    the run's tokenizer; ``step`` takes ``"last"`` or a checkpoint's step instead::
+
+        model, tokenizer, step = octlm.load_run("runs/train")
+
+    A run that records no best (no evaluation yet, or metrics written before the best was
+    kept) gives its last checkpoint (:func:`choose`)."""
+    model, chosen = load_model(folder, device, step=step)
+    return Run(model, load_tokenizer(folder), chosen.step)
+
+
+def choose(folder: str | os.PathLike, step: int | str = BEST) -> Chosen:
+    """The checkpoint of ``folder`` that ``step`` names: ``"best"`` (the lowest validation
+    loss the run recorded; the last where it recorded none), ``"last"``, or a step it kept;
+    ValueError otherwise."""
+    folder = Path(folder)
+    stored_model(folder)  # a folder that is no run is said as such
+    kept = checkpoint.listed(folder)
+    if not kept:
+        raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
+    if step == BEST:
+        best = recorded_best(folder)
+        if best is not None and checkpoint.path_for(folder, best).is_file():
+            return Chosen(
+                checkpoint.path_for(folder, best), best, "the best (lowest validation loss)"
+            )
+        return Chosen(kept[-1], checkpoint.step_of(kept[-1]), "the last: the run records no best")
+    if step == LAST:
+        return Chosen(kept[-1], checkpoint.step_of(kept[-1]), "the last")
+    path = checkpoint.path_for(folder, step) if is_int_at_least(step, 0) else None
+    if path is None or not path.is_file():
+        steps = [checkpoint.step_of(p) for p in kept]
+        raise ValueError(
+            f"step must be {BEST!r}, {LAST!r} or one of the run's checkpoints {steps}, got {step!r}"
+        )
+    return Chosen(path, step, "the one asked for")
+
 
 def load_model(
-    folder: str | os.PathLike, device: str = "cpu", *, step: int | None = None
-) -> tuple[OctLM, int]:
-    """The model of a run folder at its latest checkpoint (or the one of ``step``), and that
-    checkpoint's step. A run trained with the Triton kernel runs its PyTorch twin off CUDA (the
-    same function); a ring-attention run runs tiled, its one-process twin."""
-    folder = Path(folder)
+    folder: str | os.PathLike, device: str = "cpu", *, step: int | str = BEST
+) -> tuple[OctLM, Chosen]:
+    """The model of a run folder at the checkpoint ``step`` names (:func:`choose`), and that
+    choice. A run trained with the Triton kernel runs its PyTorch twin off CUDA (the same
+    function); a ring-attention run runs tiled, its one-process twin."""
+    chosen = choose(folder, step)
     model_config = stored_model(folder)
-    if step is None:
-        path = checkpoint.latest(folder)
-        if path is None:
-            raise ValueError(f"run folder {str(folder)!r} has no checkpoint yet")
-    else:
-        path = checkpoint.path_for(folder, step) if is_int_at_least(step, 0) else None
-        if path is None or not path.is_file():
-            kept = [int(checkpoint.PATTERN.fullmatch(p.name)[1]) for p in checkpoint.listed(folder)]
-            raise ValueError(f"step must be one of the run's checkpoints {kept}, got {step!r}")
-    state = checkpoint.load(path, model_config)
+    state = checkpoint.load(chosen.path, model_config)
     device = local_device(device)
     config = single_process(model_config)
     if device.type != "cuda" and config.kernel == "triton":  # a GPU run sampled on a CPU
         config = replace(config, kernel="pytorch")  # the same function, in PyTorch
     model = OctLM(config)
     model.load_state_dict(state["model"])
-    return model.to(device).eval(), state["step"]
+    return model.to(device).eval(), chosen

@@ -8,7 +8,10 @@ rows (or, under context parallelism, all rows and this rank's positions), cuts t
 schedule (over the steps, or over the training time of a ``time_budget``, which also ends the
 run).
 The loss is the mean over the targets the global batch counts (packing ignores some), so
-accumulation and ranks leave it unchanged. Losses per byte (bits) divide the summed token
+accumulation and ranks leave it unchanged. Each evaluation names the run's best checkpoint (the
+lowest validation loss so far, in ``metrics.jsonl``), which the checkpoints kept always include;
+when validation has risen (:func:`octlm.training.metrics.risen`) the run says so, and with
+``early_stop`` it ends there. Losses per byte (bits) divide the summed token
 losses by the bytes those tokens stand for, so runs with other tokenizers compare.
 Every source of randomness is seeded and checkpointed (weights, batch positions, dropout), so
 on CPU in float32 a run resumed from step ``k`` repeats the uninterrupted run's losses exactly.
@@ -22,7 +25,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,7 +48,16 @@ from octlm.training.budget import Stopwatch
 from octlm.training.config import DTYPES, RunConfig, imported_tokenizer, parameter_count
 from octlm.training.distributed import Cluster
 from octlm.training.folder import DATA_FOLDER
-from octlm.training.metrics import Metrics, peak_memory, plot
+from octlm.training.metrics import (
+    RISE,
+    Metrics,
+    best_of,
+    peak_memory,
+    plot,
+    recorded_evaluations,
+    risen,
+    risen_line,
+)
 from octlm.training.optim import make_optimizer, make_scheduler
 from octlm.training.precision import AUTO, resolve_dtype
 from octlm.training.sample import generate_text, single_process
@@ -66,6 +78,8 @@ class Outcome:
     val_step: int | None  # the step of that evaluation
     stopped_by: str | None  # the signal that ended the run early, None if it ran to the end
     rank: int  # this process's rank: 0 speaks for the run
+    best_step: int | None = None  # the kept checkpoint of lowest validation loss
+    stopped_early: bool = False  # ended by early_stop: validation had risen
 
 
 class Evaluation(NamedTuple):
@@ -130,7 +144,7 @@ def _loop(
         total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
     )
     began, tokens_seen = time.perf_counter(), 0
-    last_eval, evaluated, stopped_by, step = None, None, None, start
+    last_eval, evaluated, stopped_by, step, early = None, None, None, start, False
     stopwatch.start()
     for step in range(start + 1, (run.steps or sys.maxsize) + 1):
         batch = state.batches.next(run.batch)  # (B, T) each, the same on every rank
@@ -164,14 +178,21 @@ def _loop(
             )
             began, tokens_seen = time.perf_counter(), 0
         # Before the evaluation: an evaluation that fails (memory, a full disk) loses no step.
-        if step % run.checkpoint_every == 0 or final:
+        saved = step % run.checkpoint_every == 0 or final
+        if saved:
             state.save(step)
         # The end's evaluation, unless the step before had one (the figure would repeat it).
         ending = (step == run.steps or spent) and evaluated != step - 1
         if step % run.eval_every == 0 or ending:
             train_loss = cluster.total(loss).item() if train_loss is None else train_loss
-            last_eval, evaluated = _evaluate(state, metrics, bar, step, train_loss), step
+            last_eval = _evaluate(state, metrics, bar, step, train_loss, saved)
+            evaluated, saved = step, saved or state.best == step
             began, tokens_seen = time.perf_counter(), 0  # evaluation is not training time
+            early = _risen(state, bar)
+            if early and not saved:  # the run ends here: its last checkpoint is this step's
+                state.save(step)
+        if early:
+            break
         if signalled or spent:
             if not spent and step != run.steps:  # a signal in the last step ends nothing early
                 stopped_by = stop.signal or "a signal on another rank"
@@ -179,8 +200,24 @@ def _loop(
     bar.close()
     if cluster.is_main and stopped_by:
         print(f"stopped by {stopped_by} after step {step}; continue with --resume")
+    if cluster.is_main and state.best is not None:
+        best = best_of(state.evaluations)
+        print(
+            f"best checkpoint: step {best['step']}, {best['val_bits_per_byte']:.3f} bits per "
+            "byte (octlm sample and octlm export take it)"
+        )
     val_loss, val_bits_per_byte, _sample = last_eval or (None, None, None)
-    return Outcome(folder, step, val_loss, val_bits_per_byte, evaluated, stopped_by, cluster.rank)
+    return Outcome(
+        folder,
+        step,
+        val_loss,
+        val_bits_per_byte,
+        evaluated,
+        stopped_by,
+        cluster.rank,
+        state.best,
+        early,
+    )
 
 
 def _begin(
@@ -193,6 +230,11 @@ def _begin(
         start = state.restore()
         _check_more_to_do(state.run, state.folder, start, state.stopwatch.elapsed)
         metrics.forget_after(start)
+        # The evaluations so far, which name the best checkpoint: rank 0's records, shared.
+        folder, cluster = state.folder, state.cluster
+        state.evaluations = cluster.share(cluster.on_main(lambda: recorded_evaluations(folder)))
+        best = best_of(state.evaluations)
+        state.best = None if best is None else best["step"]
     state.launch()
     stop.defer()  # from here a signal ends the run after a step, with a checkpoint
     if state.cluster.is_main:
@@ -203,17 +245,32 @@ def _begin(
 
 
 def _evaluate(
-    state: Training, metrics: Metrics, bar: tqdm, step: int, train_loss: float
+    state: Training, metrics: Metrics, bar: tqdm, step: int, train_loss: float, saved: bool
 ) -> Evaluation:
-    """Evaluate after ``step``: its record, a line under the progress bar, the loss picture."""
+    """Evaluate after ``step``: its record, naming the best checkpoint (written now if this
+    step is the best and had none), a line under the progress bar, the loss picture."""
     evaluation = state.evaluate()
+    state.evaluations.append(
+        {
+            "step": step,
+            "val_loss": evaluation.val_loss,
+            "val_bits_per_byte": evaluation.val_bits_per_byte,
+        }
+    )
+    best = best_of(state.evaluations)
+    best_step = None if best is None else best["step"]
+    if best_step == step and not saved:
+        state.save(step)
     metrics.write(
         "eval",
         step=step,
         loss=train_loss,
         **evaluation._asdict(),
         train_seconds=state.stopwatch.elapsed,
+        best_step=best_step,
     )
+    state.best = best_step  # from now on kept: the records name it; the one before may go
+    state.cluster.on_main(lambda: checkpoint.prune(state.folder, state.run.keep, best_step))
     if state.cluster.is_main:
         bar.write(
             f"step {step}: val loss {evaluation.val_loss:.4f} nats per token, "
@@ -222,6 +279,21 @@ def _evaluate(
         )
         plot(state.folder)
     return evaluation
+
+
+def _risen(state: Training, bar: tqdm) -> bool:
+    """Say once per best when validation has risen (over ``early_stop`` evaluations, else
+    :data:`RISE`); whether the run ends here (``early_stop``)."""
+    count = state.run.early_stop or RISE
+    best = risen(state.evaluations, count)
+    if best is None or state.risen_after == best["step"]:
+        return False
+    state.risen_after = best["step"]
+    ends = state.run.early_stop is not None
+    if state.cluster.is_main:
+        then = f"the run ends here (--early-stop {count})" if ends else f"or --early-stop {count}"
+        bar.write(f"{risen_line(state.evaluations, count)}; {then}")
+    return ends
 
 
 def _budget(run: RunConfig, stopwatch: Stopwatch) -> dict[str, str]:
@@ -257,6 +329,11 @@ class Training:
     stopwatch: Stopwatch  # training time, over every launch of the run
     autocast: torch.autocast
     model: nn.Module | None = None  # what a step calls (DDP, compiled): set by launch
+    # The run's evaluations ({step, val_loss, val_bits_per_byte}) and the step of the best
+    # that its records name, whose checkpoint :meth:`save` keeps.
+    evaluations: list[dict] = field(default_factory=list)
+    best: int | None = None
+    risen_after: int | None = None  # the best whose rise was said
 
     @classmethod
     def build(cls, model_config, run, folder, cluster, clock, resume: bool) -> Training:
@@ -403,7 +480,9 @@ class Training:
             "rng": rng,
             "train_seconds": self.stopwatch.elapsed,
         }
-        self.cluster.on_main(lambda: checkpoint.save(self.folder, step, state, keep=self.run.keep))
+        self.cluster.on_main(
+            lambda: checkpoint.save(self.folder, step, state, keep=self.run.keep, best=self.best)
+        )
 
     def restore(self) -> int:
         """Load the latest checkpoint into everything; the step it was taken after."""

@@ -12,14 +12,20 @@ of two kinds:
   time budget spends), ``memory_metric`` and ``peak_bytes``;
 - ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss`` (nats per
   token), ``val_bits_per_byte`` (the summed token losses over the bytes they stand for, so
-  runs of any tokenizer compare), ``sample`` (text generated from the fixed prompt) and
-  ``train_seconds``.
+  runs of any tokenizer compare), ``sample`` (text generated from the fixed prompt),
+  ``train_seconds`` and ``best_step``: the step of the run's lowest ``val_loss`` so far, whose
+  checkpoint the run keeps (records written before the field lack it, and name no best).
+
+:func:`risen` is the one rule of "validation has risen": the training loop, its
+``--early-stop`` and ``octlm report RUN`` all judge by it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from octlm import memory, records
@@ -27,6 +33,59 @@ from octlm import memory, records
 METRICS = "metrics.jsonl"
 PICTURE = "loss.png"
 EXPERIMENT = "train"
+# Evaluations after the best, none better, that say validation has risen (without --early-stop).
+RISE = 3
+
+
+def best_of(evaluations: Sequence[dict]) -> dict | None:
+    """The evaluation (a record with ``step`` and ``val_loss``) of lowest validation loss, the
+    first of equals; None when none has a finite one."""
+    finite = [e for e in evaluations if math.isfinite(e["val_loss"])]
+    return min(finite, key=lambda e: e["val_loss"], default=None)
+
+
+def risen(evaluations: Sequence[dict], count: int = RISE) -> dict | None:
+    """The best evaluation when validation has risen: ``count`` evaluations or more came after
+    it, none of them better (the run is overfitting or diverging); None otherwise.
+    ``evaluations`` are in step order."""
+    best = best_of(evaluations)
+    if best is None:
+        return None
+    after = sum(e["step"] > best["step"] for e in evaluations)
+    return best if after >= count else None
+
+
+def risen_line(evaluations: Sequence[dict], count: int = RISE) -> str | None:
+    """What the run and its report say when validation has risen (:func:`risen`): since which
+    step, and what to try; None while it has not."""
+    best = risen(evaluations, count)
+    if best is None:
+        return None
+    after = sum(e["step"] > best["step"] for e in evaluations)
+    bits = best.get("val_bits_per_byte")
+    figure = f"{bits:.3f} bits per byte" if isinstance(bits, int | float) else "its lowest loss"
+    return (
+        f"validation has risen for {after} evaluations since step {best['step']} ({figure}, "
+        "the checkpoint kept as the best): the model is overfitting its data; try more data, "
+        "--dropout, --weight-decay or a smaller model"
+    )
+
+
+def recorded_evaluations(folder: str | os.PathLike) -> list[dict]:
+    """The run folder's evaluations that name the best (``best_step``), in step order; none
+    for a folder without metrics or whose records predate the field."""
+    path = Path(folder) / METRICS
+    if not path.is_file():
+        return []
+    found = records.read(path, skipped=[])
+    evaluations = [r for r in found if r["kind"] == "eval" and "best_step" in r]
+    return sorted(evaluations, key=lambda r: r["step"])
+
+
+def recorded_best(folder: str | os.PathLike) -> int | None:
+    """The step of the run's best checkpoint as its metrics record it; None when they name none."""
+    evaluations = recorded_evaluations(folder)
+    return evaluations[-1]["best_step"] if evaluations else None
 
 
 def peak_memory(device) -> dict:

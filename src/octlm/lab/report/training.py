@@ -1,10 +1,11 @@
 """The report of a training run: ``octlm report RUN`` (its folder, or its metrics.jsonl).
 
 Reads what ``octlm train`` writes (``RUN/metrics.jsonl``: ``train_step`` and ``eval``
-records, one run id per launch; ``RUN/config.json``), nothing from the training code. Per run:
-the real step count (the last step recorded, not the number of records: the run logs every
-``log_every`` steps), training time, tokens per second, held-out bits per byte over steps and
-seconds, the loss curve, and the configuration.
+records, one run id per launch; ``RUN/config.json``), and judges a rise of validation by the
+training loop's own rule (:func:`octlm.training.metrics.risen`). Per run: the real step count
+(the last step recorded, not the number of records: the run logs every ``log_every`` steps),
+training time, tokens per second, held-out bits per byte over steps and seconds, whether
+validation has risen, the loss curve, and the configuration.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from octlm.lab.report.format import seconds, table
+from octlm.training.metrics import RISE, risen_line
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
@@ -82,6 +84,10 @@ def _run(source: Path, group: list[dict], output: Path, number: int | None) -> l
             for r in evals
         ]
         lines += table(["Step", "Training seconds", "Val loss (nats/token)", "Bits/byte"], body)
+        count = _early_stop(folder / CONFIG) or RISE
+        said = risen_line(evals, count)
+        if said:
+            lines += [f"{said[0].upper()}{said[1:]}, or --early-stop {count}.", ""]
     else:
         lines += ["The run recorded no evaluation.", ""]
     lines += ["### Training steps (a sample of the logged steps)", ""]
@@ -102,6 +108,15 @@ def _run(source: Path, group: list[dict], output: Path, number: int | None) -> l
     lines += table([*header, "Tokens/s"], body)
     lines += ["### Configuration", "", *_config(folder / CONFIG)]
     return lines
+
+
+def _early_stop(path: Path) -> int | None:
+    """The run's ``--early-stop`` from its config.json (None: unset or unreadable)."""
+    try:
+        value = json.loads(path.read_text())["run"].get("early_stop")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _config(path: Path) -> list[str]:

@@ -1,0 +1,148 @@
+"""The best checkpoint: every evaluation names the lowest validation loss so far, its checkpoint
+is kept whatever ``--keep`` says (written if its step had none), through a signal and a resume;
+``octlm sample``, ``octlm export`` and ``load_run`` take it by default and say so; validation
+that has risen is said once per best, in ``octlm train`` and ``octlm report``, and
+``--early-stop`` ends the run there.
+
+The runs learn at a rate (0.3, hardly decaying) that makes validation rise and fall again
+within 40 steps of a model of a few thousand parameters, each in about two seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+from octlm import load_run
+from octlm.training import checkpoint, loop, train
+from octlm.training.metrics import best_of, risen
+from tests.training_helpers import configs, losses, read_metrics, tiny_flags
+
+RISING = dict(steps=40, eval_every=2, checkpoint_every=5, keep=1, lr=0.3, warmup=0)
+RISING |= dict(min_lr_ratio=0.9)
+
+
+def rising_flags(corpus, folder, steps=40) -> list[str]:
+    flags = tiny_flags(corpus, folder, steps)
+    flags[flags.index("--eval-every") + 1] = "2"
+    flags[flags.index("--checkpoint-every") + 1] = "5"
+    return [*flags, "--keep", "1", "--lr", "0.3", "--warmup", "0", "--min-lr-ratio", "0.9"]
+
+
+def octlm(*arguments) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "octlm", *map(str, arguments)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def kept_steps(folder) -> list[int]:
+    return [checkpoint.step_of(path) for path in checkpoint.listed(folder)]
+
+
+def test_every_evaluation_names_the_best_so_far_and_its_checkpoint_stays(corpus, tmp_path):
+    outcome = train(*configs(corpus, **RISING), tmp_path / "run", progress=False)
+    evaluations = read_metrics(tmp_path / "run", "eval")
+    for index, record in enumerate(evaluations):
+        assert record["best_step"] == best_of(evaluations[: index + 1])["step"]
+    best = evaluations[-1]["best_step"]
+    assert best != 40 and best % 5 != 0  # the case: a best between checkpoints, not the last
+    assert outcome.best_step == best
+    assert kept_steps(tmp_path / "run") == [best, 40]  # --keep 1 and the best
+    model, _tokenizer, step = load_run(tmp_path / "run")
+    assert step == best
+    stored = checkpoint.load(checkpoint.path_for(tmp_path / "run", best), model.config)["model"]
+    weights = {name: value for name, value in stored.items() if isinstance(value, torch.Tensor)}
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in weights.items())
+    assert load_run(tmp_path / "run", step="last").step == 40
+
+
+def test_the_best_survives_a_signal_and_a_resume(corpus, tmp_path, monkeypatch):
+    model_config, run = configs(corpus, **RISING)
+    train(model_config, run, tmp_path / "whole", progress=False)
+    step = loop.Training.step
+
+    def stopped_at_23(state, batch):
+        result = step(state, batch)
+        if state.scheduler.last_epoch == 23:  # the loop sees it after this step
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(loop.Training, "step", stopped_at_23)
+    cut = train(model_config, run, tmp_path / "cut", progress=False)
+    monkeypatch.setattr(loop.Training, "step", step)
+    assert cut.stopped_by == "SIGINT" and cut.step == 23
+    best_then = read_metrics(tmp_path / "cut", "eval")[-1]["best_step"]
+    assert kept_steps(tmp_path / "cut") == sorted({best_then, 23})
+    train(model_config, run, tmp_path / "cut", resume=True, progress=False)
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
+
+    def evaluations(folder):
+        return [(r["step"], r["val_loss"], r["best_step"]) for r in read_metrics(folder, "eval")]
+
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
+    assert kept_steps(tmp_path / "cut") == kept_steps(tmp_path / "whole")
+
+
+def test_early_stop_ends_the_run_where_validation_has_risen(corpus, tmp_path):
+    folder = tmp_path / "run"
+    done = octlm(*rising_flags(corpus, folder), "--early-stop", "2")
+    assert done.returncode == 0, done.stderr
+    evaluations = read_metrics(folder, "eval")
+    last = evaluations[-1]["step"]
+    best = risen(evaluations, 2)
+    assert best is not None and last < 40  # it ended early, at the first rise
+    assert risen(evaluations[:-1], 2) is None
+    said = f"validation has risen for 2 evaluations since step {best['step']}"
+    assert said in done.stderr + done.stdout
+    assert "the run ends here (--early-stop 2)" in done.stderr + done.stdout
+    assert max(losses(folder)) == last
+    assert kept_steps(folder) == [best["step"], last]  # the best and the run's end
+
+
+def test_a_rise_is_said_once_per_best_in_the_run_and_in_its_report(corpus, tmp_path):
+    folder = tmp_path / "run"
+    done = octlm(*rising_flags(corpus, folder))
+    assert done.returncode == 0, done.stderr
+    evaluations = read_metrics(folder, "eval")
+    bests = {
+        risen(evaluations[:count], 3)["step"]
+        for count in range(1, len(evaluations) + 1)
+        if risen(evaluations[:count], 3) is not None
+    }
+    assert bests  # the case: validation rose at least once
+    output = done.stderr + done.stdout
+    assert output.count("validation has risen for 3 evaluations since step") == len(bests)
+    assert "or --early-stop 3" in output
+    report = octlm("report", folder, "--output", tmp_path / "report" / "report.md")
+    assert report.returncode == 0, report.stderr
+    text = (tmp_path / "report" / "report.md").read_text()
+    if risen(evaluations, 3) is not None:  # the rise holds at the run's end
+        assert f"since step {risen(evaluations, 3)['step']}" in text
+    else:
+        assert "Validation has risen" not in text
+
+
+def test_sample_and_export_take_the_best_and_say_which(corpus, tmp_path):
+    folder = tmp_path / "run"
+    train(*configs(corpus, **RISING), folder, progress=False)
+    best = read_metrics(folder, "eval")[-1]["best_step"]
+    sampled = octlm("sample", folder, "--prompt", "def ", "--max-new-tokens", "4")
+    assert sampled.returncode == 0, sampled.stderr
+    assert f"checkpoint of step {best}, the best (lowest validation loss)" in sampled.stderr
+    last = octlm("sample", folder, "--prompt", "def ", "--max-new-tokens", "4", "--step", "last")
+    assert "checkpoint of step 40, the last" in last.stderr
+    exported = octlm("export", folder, tmp_path / "model.gguf")
+    assert exported.returncode == 0, exported.stderr
+    assert f"checkpoint of step {best}, the best (lowest validation loss)" in exported.stdout
+    wrong = octlm("export", folder, tmp_path / "other.gguf", "--step", "first")
+    assert wrong.returncode == 2
+    assert f"step must be 'best', 'last' or one of the run's checkpoints [{best}, 40]" in (
+        wrong.stderr
+    )
