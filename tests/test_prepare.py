@@ -126,3 +126,19 @@ def test_progress_outside_a_terminal_is_plain_lines():
 def test_data_options_are_checked(values, message):
     with pytest.raises(ValueError, match=message):
         RunConfig(**values)
+
+
+def test_a_run_s_tokens_come_from_a_token_folder_or_its_corpus(tmp_path):
+    corpus = write_jsonl_gz(tmp_path / "c.jsonl.gz")
+    prepare.prepare_folder(run_config(corpus), 256, tmp_path / "tok", progress=False)
+    linked = prepare.run_tokens(
+        tmp_path / "a" / "data", tmp_path / "a", 256, run_config(tmp_path / "tok"), False, False
+    )
+    made = prepare.run_tokens(
+        tmp_path / "b" / "data", tmp_path / "b", 256, run_config(corpus), False, False
+    )
+    assert prepare.PREPARED in linked and prepare.PREPARED not in made
+    for name in data.TOKEN_FILES:
+        assert (tmp_path / "a" / "data" / name).read_bytes() == (
+            tmp_path / "b" / "data" / name
+        ).read_bytes()

@@ -66,7 +66,8 @@ STORING = f".{TOKENIZER_FILE}.tmp"  # tokenizer.json while it is written (then r
 ESCAPED = re.compile("([\udc80-\udcff])")
 # Where a long text may be cut without changing its tokens (see the module docstring).
 CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
-PIECE = 1 << 20  # characters of a long document encoded at a time
+PIECE = 1 << 18  # characters of a long document encoded at a time
+STREAM_BATCH = 16  # pieces of a long document encoded together, on every core
 LONGEST_WORD = 64 * PIECE  # a text with no place to cut is cut here anyway
 
 
@@ -257,24 +258,30 @@ class BPETokenizer:
 
     def encode_batch(self, texts: list[bytes]) -> list[list[int]]:
         """Each text's ids, as :meth:`encode` gives them, encoded together on every core."""
-        decoded, odd = [], []
-        for index, data in enumerate(texts):
-            try:
-                decoded.append(data.decode())
-            except UnicodeDecodeError:  # bytes that are not UTF-8: encoded on their own
-                decoded.append("")
-                odd.append(index)
-        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
-        found = [encoding.ids for encoding in encode(decoded, add_special_tokens=False)]
-        for index in odd:
-            found[index] = self.encode(texts[index])
-        return found
+        return self._encode_texts([t.decode("utf-8", errors="surrogateescape") for t in texts])
 
     def encode_stream(self, chunks: Iterable[bytes]) -> Iterator[list[int]]:
-        """The ids of one text given in ``chunks``, a piece at a time: together, those of
-        :meth:`encode` of the whole text."""
+        """The ids of one text given in ``chunks``, a piece at a time (:data:`STREAM_BATCH`
+        pieces encoded together): together, those of :meth:`encode` of the whole text."""
+        batch = []
         for text in text_pieces(chunks, self._piece):
-            yield self._encode_text(text)
+            batch.append(text)
+            if len(batch) == STREAM_BATCH:
+                yield from self._encode_texts(batch)
+                batch = []
+        yield from self._encode_texts(batch)
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text (surrogate escapes for bytes that are not UTF-8): those without
+        such bytes encoded together, the others on their own."""
+        plain = [not ESCAPED.search(text) for text in texts]
+        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        together = [text for text, alone in zip(texts, plain, strict=True) if alone]
+        found = iter(encode(together, add_special_tokens=False))
+        return [
+            next(found).ids if alone else self._encode_text(text)
+            for text, alone in zip(texts, plain, strict=True)
+        ]
 
     def decode(self, ids) -> bytes:
         return b"".join(self._pieces[i] for i in _checked_ids(ids, self.vocab_size))

@@ -228,3 +228,22 @@ def _link(source: Path, target: Path, copy: bool = False) -> None:
     except OSError:
         shutil.copyfile(source, temporary)
     os.replace(temporary, target)
+
+
+def run_tokens(
+    data_folder: Path, run_folder: Path, vocab_size: int, run, imported: bool, progress: bool
+) -> dict:
+    """A run's token files in ``data_folder``: linked from the token folder ``run.data`` names,
+    or the corpus tokenised there (by the tokenizer already in ``run_folder`` when
+    ``imported``, else by the run's own, saved there); the summary."""
+    if is_prepared(run.data):
+        if imported:
+            raise ValueError(
+                f"--init-from brings its own tokenizer: give --data the corpus, not the token "
+                f"folder {run.data!r}"
+            )
+        return reuse(Path(run.data), run, vocab_size, data_folder, run_folder, progress)
+    tokenizer = BPETokenizer.from_file(run_folder / TOKENIZER_FILE) if imported else None
+    return tokenize(
+        run, vocab_size, data_folder, run_folder, tokenizer=tokenizer, progress=progress
+    )
