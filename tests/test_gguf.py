@@ -25,7 +25,8 @@ from octlm import ModelConfig, OctLM  # noqa: E402
 from octlm.cli import main  # noqa: E402
 from octlm.export import export  # noqa: E402
 from octlm.integrations import gguf_format  # noqa: E402
-from octlm.tokenizer import END_OF_TEXT, BPETokenizer, byte_symbols  # noqa: E402
+from octlm.tokenizer import DEFAULT_BPE_VOCAB, END_OF_TEXT, BPETokenizer, byte_symbols  # noqa: E402
+from octlm.training.config import PRESETS  # noqa: E402
 from octlm.training.sample import generate_text  # noqa: E402
 from tests.transformers_folders import TEXTS, make_run, peaked, rope_tolerance  # noqa: E402
 
@@ -218,6 +219,29 @@ def test_q8_0_is_gguf_s_own_quantizer_with_float16_where_rows_do_not_fit(tmp_pat
             back = gguf.quants.dequantize(np.array(tensor.data), q8_0)
             blocks = np.abs(ours.reshape(-1, 32)).max(axis=1, keepdims=True)
             assert (np.abs(back - ours).reshape(-1, 32) <= blocks / 127 * 0.6).all()
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_s_matrices_fill_whole_quantized_blocks(preset):
+    """Rows of 32 (q8_0, q4_0) everywhere, and of 256 (the K-quants) where the width allows."""
+    for vocab_size in (256, DEFAULT_BPE_VOCAB):
+        with torch.device("meta"):
+            model = OctLM(ModelConfig(vocab_size=vocab_size, **PRESETS[preset]))
+        rows = {name: p.shape[-1] for name, p in model.named_parameters() if p.dim() == 2}
+        assert all(row % 32 == 0 for row in rows.values()), rows
+        if model.config.width % 256 == 0:
+            assert all(row % 256 == 0 for row in rows.values()), rows
+
+
+def test_the_tiny_preset_goes_to_q8_0_whole(tmp_path, capsys):
+    OctLM(ModelConfig(vocab_size=256, **PRESETS["tiny"])).save(tmp_path / "model.pt")
+    out = tmp_path / "model.gguf"
+    assert main(["export", str(tmp_path / "model.pt"), str(out), "--dtype", "q8_0"]) == 0
+    assert "in float16" not in capsys.readouterr().out
+    kinds = {
+        tensor.tensor_type for tensor in gguf.GGUFReader(out).tensors if len(tensor.shape) == 2
+    }
+    assert kinds == {gguf.GGMLQuantizationType.Q8_0}
 
 
 def test_q8_0_is_refused_for_a_transformers_folder(tmp_path, capsys):

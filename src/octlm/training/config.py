@@ -26,10 +26,13 @@ from octlm.training.corpus import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Format
 from octlm.training.optim import DEFAULT_OPTIMIZER, OPTIMIZERS
 from octlm.training.precision import AUTO
 
+# Each preset's SwiGLU width is 8/3 of its width rounded up to a multiple of 64, or of 256 where
+# the width is one (Llama's ``multiple_of``), so that every row of every matrix fills whole
+# blocks of GGUF's quantized types: 32 values for q8_0 and q4_0, 256 for the K-quants.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2),
-    "small": dict(width=256, n_layers=6, n_heads=8, n_kv_heads=4),
-    "base": dict(width=512, n_layers=8, n_heads=8, n_kv_heads=4),
+    "tiny": dict(width=128, n_layers=4, n_heads=4, n_kv_heads=2, mlp_width=384),
+    "small": dict(width=256, n_layers=6, n_heads=8, n_kv_heads=4, mlp_width=768),
+    "base": dict(width=512, n_layers=8, n_heads=8, n_kv_heads=4, mlp_width=1536),
 }
 DEFAULT_PRESET = "tiny"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -312,7 +315,7 @@ def resolve(
     content = read_file(file) if file is not None else {}
     given = _checked_keys(content.get("model", {}), model_fields, f"config {file} [model]")
     given = given | (model or {})
-    model_values = dict(PRESETS[preset or DEFAULT_PRESET]) | given
+    model_values = preset_values(preset or DEFAULT_PRESET, given) | given
     run_values = _checked_keys(content.get("run", {}), run_fields, f"config {file} [run]")
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
@@ -369,6 +372,15 @@ def imported_tokenizer(run: RunConfig, vocab_size: int, given: dict | None = Non
     return dataclasses.replace(run, tokenizer=name)
 
 
+def preset_values(preset: str, given: dict) -> dict:
+    """The model values of ``preset`` beneath the ``given`` ones: its MLP width goes with its
+    width, so a given width leaves the MLP width to ModelConfig's rule (8/3 of the width)."""
+    values = dict(PRESETS[preset])
+    if "width" in given:
+        values.pop("mlp_width", None)
+    return values
+
+
 def _resumed_flags(stored: dict, preset, file, model: dict, run: dict) -> tuple[dict, dict]:
     """The ``model`` and ``run`` values a resume applies over the run's ``stored`` configuration:
     the flags, and what ``preset`` and ``file`` set that a resume may change. What they set
@@ -377,7 +389,8 @@ def _resumed_flags(stored: dict, preset, file, model: dict, run: dict) -> tuple[
     if preset is not None:
         given |= {
             ("model", name): (value, f"--preset {preset}")
-            for name, value in PRESETS[preset].items()
+            for name, value in preset_values(preset, model).items()
+            if name != "mlp_width"  # a resumed run keeps its own; its width is checked
         }
     if file is not None:
         content = read_file(file)
