@@ -39,7 +39,7 @@ LAYERS = (
     ("octlm.integrations",),
     ("octlm.model",),
     ("octlm.training",),
-    ("octlm.export", "octlm.run_folder"),
+    ("octlm.export",),
     ("octlm.lab",),
     ("octlm", "octlm.cli", "octlm.__main__"),
 )  # fmt: skip

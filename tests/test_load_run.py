@@ -13,6 +13,7 @@ import torch
 
 import octlm
 from octlm import ModelConfig
+from octlm.training import folder
 from octlm.training.folder import choose
 from octlm.training.metrics import METRICS
 from tests.transformers_folders import make_run
@@ -56,6 +57,13 @@ def test_a_best_whose_checkpoint_is_gone_gives_the_last_saying_so(tmp_path):
     assert (chosen.step, chosen.how) == (6, "the last: the run records no best")
     name_best(tmp_path / "run", 3)
     assert choose(tmp_path / "run").how == "the best (lowest validation loss)"
+
+
+def test_export_reads_a_run_folder_without_the_sampling_code():
+    code = "import sys, octlm.export\nprint('octlm.training.sample' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert octlm.Run is folder.Run and octlm.load_run is folder.load_run
 
 
 def test_import_octlm_loads_neither_training_nor_file_formats():

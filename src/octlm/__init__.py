@@ -20,8 +20,8 @@ _SOURCES = {
     "KVCache": "octlm.model",
     "ModelConfig": "octlm.model",
     "OctLM": "octlm.model",
-    "Run": "octlm.run_folder",
-    "load_run": "octlm.run_folder",
+    "Run": "octlm.training.folder",
+    "load_run": "octlm.training.folder",
 }
 __all__ = sorted(_SOURCES)
 

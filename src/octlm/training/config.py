@@ -443,6 +443,14 @@ def stored_model(folder: str | Path) -> ModelConfig:
     return model_from_dict(_checked_keys(table, known, f"config {file} [model]"))
 
 
+def single_process(config: ModelConfig) -> ModelConfig:
+    """``config`` as one process runs it: an implementation that needs a process group (ring)
+    runs as ``auto``, which computes the same function (tiled, or sdpa where it is faster)."""
+    if IMPLEMENTATIONS[config.attention].distributed:
+        return dataclasses.replace(config, attention="auto")
+    return config
+
+
 def model_from_dict(values: dict) -> ModelConfig:
     """A ``ModelConfig`` from JSON or TOML values (which have lists where it has tuples)."""
     if isinstance(values.get("block"), list):

@@ -1,8 +1,9 @@
 """A run folder's whole life: made and locked, checked, cleared for ``--overwrite``, read back
-(``octlm.load_run`` reads it through :func:`load_model`).
+(:func:`load_run`, which ``octlm.load_run`` is, at the checkpoint :func:`choose` picks).
 
 A run folder holds ``config.json`` (which makes it a run), the token files under ``data/``,
-the run's tokenizer, ``metrics.jsonl`` with its picture, the last checkpoints, and the lock of
+the run's tokenizer, ``metrics.jsonl`` with its picture, the last checkpoints and the best
+(named by the metrics), and the lock of
 the run that holds it (:mod:`octlm.training.lock`). ``config.json`` is written only once
 everything before the first step has worked; until then the folder carries ``PREPARING``, and
 a start that did not get that far is cleared by the next one. Whoever holds the lock also
@@ -33,11 +34,11 @@ from octlm.training.config import (
     check_resumable,
     local_device,
     read_file,
+    single_process,
     stored_model,
     to_dict,
 )
 from octlm.training.metrics import METRICS, PICTURE, recorded_best
-from octlm.training.sample import single_process
 
 DATA_FOLDER = "data"
 # Marks a run folder that octlm made and has not yet brought to its first step.

@@ -45,7 +45,13 @@ from octlm.training import checkpoint, data, distributed
 from octlm.training import folder as run_folder
 from octlm.training.allocator import keep_freed_memory
 from octlm.training.budget import Stopwatch
-from octlm.training.config import DTYPES, RunConfig, imported_tokenizer, parameter_count
+from octlm.training.config import (
+    DTYPES,
+    RunConfig,
+    imported_tokenizer,
+    parameter_count,
+    single_process,
+)
 from octlm.training.distributed import Cluster
 from octlm.training.folder import DATA_FOLDER
 from octlm.training.metrics import (
@@ -60,7 +66,7 @@ from octlm.training.metrics import (
 )
 from octlm.training.optim import make_optimizer, make_scheduler
 from octlm.training.precision import AUTO, resolve_dtype
-from octlm.training.sample import generate_text, single_process
+from octlm.training.sample import generate_text
 
 LN2 = math.log(2)
 # Ctrl-C, and a closed terminal or ssh session, end a run after its step as SIGTERM does.

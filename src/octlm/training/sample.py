@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from octlm.model import ModelConfig, OctLM
+from octlm.model import OctLM
 from octlm.tokenizer import END_OF_TEXT, BPETokenizer, ByteTokenizer
 from octlm.training.config import prompt_bytes
-
-
-def single_process(config: ModelConfig) -> ModelConfig:
-    """The config to run a model in one process: ring attention's local twin is tiled, run by
-    auto where sdpa is faster (decoding a token)."""
-    return replace(config, attention="auto") if config.attention == "ring" else config
 
 
 def generate_text(
