@@ -161,3 +161,26 @@ def test_after_a_signal_the_closing_line_names_the_evaluated_step(
     out = capsys.readouterr().out
     assert re.search(r"validation at step 2: val loss [\d.]+ nats per token", out)
     assert "(step 3)" in out
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "--data '{data}' does not exist: expected a corpus file or a folder of them"),
+        ("empty", "--data '{data}' is empty"),
+        ("all-held-out", "the training split is empty (its only non-empty file is held out"),
+    ],
+)
+def test_a_data_problem_under_bpe_is_named_as_it_is(tmp_path, capsys, case, message):
+    data = tmp_path / ("nothing" if case == "missing" else "corpus")
+    if case == "empty":
+        data.write_text("")
+    elif case == "all-held-out":
+        data.mkdir()
+        (data / "a.txt").write_text("some text " * 20)
+    flags = [*tiny_flags(data, tmp_path / "run", steps=1), "--tokenizer", "bpe"]
+    if case == "all-held-out":
+        flags += ["--val-share", "0.999999"]
+    assert main([*flags, "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.format(data=data) in err and "which learns nothing" not in err
