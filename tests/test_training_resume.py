@@ -111,6 +111,23 @@ def test_resuming_a_diverged_run_keeps_its_non_finite_records(corpus, tmp_path):
     assert math.isnan(read_metrics(tmp_path / "run", "train_step")[2]["loss"])
 
 
+def test_a_run_resumed_for_more_steps_takes_the_longer_run_s_rates_from_there(corpus, tmp_path):
+    """The schedule is a function of the step and the run's length (docs/design.md): after the
+    resumed step the rates are the longer straight run's, before it the shorter run's."""
+    model_config, run = configs(corpus, steps=6, warmup=2)
+    train(model_config, replace(run, steps=12), tmp_path / "straight", progress=False)
+    train(model_config, run, tmp_path / "extended", progress=False)
+    train(model_config, replace(run, steps=12), tmp_path / "extended", resume=True, progress=False)
+
+    def rates(folder):
+        return {r["step"]: r["lr"] for r in read_metrics(folder, "train_step")}
+
+    straight, extended = rates(tmp_path / "straight"), rates(tmp_path / "extended")
+    assert [extended[step] for step in range(7, 13)] == [straight[step] for step in range(7, 13)]
+    assert extended[6] < straight[6]  # the shorter run had decayed further by then
+    assert losses(tmp_path / "extended")[12] != losses(tmp_path / "straight")[12]
+
+
 def test_a_run_resumed_for_more_steps_follows_the_new_schedule_at_once(corpus, tmp_path):
     model_config, run = configs(corpus, steps=6, warmup=2)
     train(model_config, run, tmp_path / "run", progress=False)
