@@ -25,6 +25,7 @@ the field.
 from __future__ import annotations
 
 import bz2
+import fnmatch
 import gzip
 import io
 import itertools
@@ -107,8 +108,7 @@ def find_files(path: str | os.PathLike, glob: str) -> list[Path]:
         return [path]
     found = {
         file
-        for pattern in expand_braces(glob)
-        for file in path.glob(pattern)
+        for file in _globbed(path, expand_braces(glob))
         if file.is_file() and not SKIPPED_FOLDERS.intersection(file.relative_to(path).parts)
     }
     arrow_folders = {file.parent for file in found if format_of(file) == "arrow"}
@@ -116,6 +116,20 @@ def find_files(path: str | os.PathLike, glob: str) -> list[Path]:
     if not files:
         raise ValueError(f"data folder {str(path)!r} has no file matching glob {glob!r}")
     return files
+
+
+def _globbed(path: Path, patterns: list[str]) -> Iterator[Path]:
+    """The paths under ``path`` matching any of ``patterns``: one walk of the folders where
+    the patterns differ only in the name they match (``**/*.txt``, ``**/*.md``)."""
+    folders = {pattern.rpartition("/")[0] for pattern in patterns}
+    if len(folders) > 1:
+        yield from (found for pattern in patterns for found in path.glob(pattern))
+        return
+    folder = folders.pop()
+    names = [pattern.rpartition("/")[2] for pattern in patterns]
+    for found in path.glob(f"{folder}/*" if folder else "*"):
+        if any(fnmatch.fnmatchcase(found.name, name) for name in names):
+            yield found
 
 
 def compression_of(path: Path) -> str | None:
