@@ -27,9 +27,10 @@ def generate_text(
     False it goes on past it, written as ``<|endoftext|>``. A tokenizer without one (bytes, a
     BPE tokenizer that has none) runs the ``max_new_tokens``.
 
-    The model knows positions up to ``max_length`` only, so a longer text is decoded in
-    windows: when one is full, decoding starts again (a new KV cache) from the last
-    ``max_length // 2`` tokens, as nanoGPT crops its context.
+    The model knows ``max_length`` positions: up to there the text is decoded with one KV
+    cache; past them each token is drawn from the last ``max_length - 1`` tokens, a forward
+    pass each, as nanoGPT crops its context at every step (docs/llama_cpp.md says what
+    llama.cpp and transformers do there).
     """
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     if tokenizer.vocab_size != model.config.vocab_size:
@@ -54,9 +55,8 @@ def generate_text(
     try:
         new, end = 0, tokenizer.end_token if stop else None
         while new < max_new_tokens:
-            fits = new == 0 and tokens.shape[1] < limit
-            context = tokens if fits else tokens[:, -(limit // 2) :]  # (1, C)
-            count = min(limit - context.shape[1], max_new_tokens - new)
+            context = tokens[:, -(limit - 1) :]  # (1, C): what the next position can see
+            count = min(limit - context.shape[1], max_new_tokens - new)  # 1 once it is full
             drawn = model.generate(context, count, temperature, top_k, generator, end)
             tokens = torch.cat([tokens, drawn[:, context.shape[1] :]], dim=1)  # (1, P + new)
             new += count
