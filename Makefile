@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # `make reference`; a fresh machine's own figures go to runs/local/ (not committed).
 RUNS ?= runs/local
 
-.PHONY: test report reference verify bench lint format clean
+.PHONY: test report reference verify bench lint format clean llama-cpp
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,12 @@ reference: $(VENV)/.installed
 	$(PY) -m octlm bench decode --output runs/bench-decode-cpu.jsonl
 	$(PY) -m octlm bench documents --output runs/bench-documents-cpu.jsonl
 	$(PY) -m octlm report --output runs/report.md runs/*.jsonl
+
+# llama.cpp's own checks of the GGUF exports (tests/test_gguf.py), which `make test` skips
+# without it: llama-cpp-python, which pip builds from llama.cpp's source (a C++ compiler and
+# CMake; several minutes on 2 cores). Then `make test` runs them.
+llama-cpp: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[llama-cpp]"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples

@@ -280,11 +280,13 @@ def current_umask() -> int:
 # --- llama.cpp itself ---------------------------------------------------------------------------
 
 LLAMA_CPP_THREADS = 1
+# Why llama.cpp's checks skip where llama-cpp-python is not installed, and how to run them.
+WITHOUT_LLAMA_CPP = "llama.cpp's own checks need llama-cpp-python: make llama-cpp"
 
 
 def llama(path: Path, context: int):
     """llama.cpp on ``path`` with an f32 KV cache and flash attention off: its exact path."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
     return llama_cpp.Llama(
         str(path), n_ctx=context, logits_all=True, verbose=False, n_threads=LLAMA_CPP_THREADS,
         type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
@@ -305,7 +307,7 @@ def greedy_ids(llm, prompt: list[int], count: int) -> list[int]:
 
 @pytest.mark.parametrize("tokenizer, tied", KINDS)
 def test_llama_cpp_gives_octlm_s_tokens_and_logits(tmp_path, tokenizer, tied):
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
     run, model, bpe = write_run(tmp_path, tokenizer, tied)
     export(run, tmp_path / "model.gguf")
     llm = llama(tmp_path / "model.gguf", CONFIG.max_length)
@@ -339,7 +341,7 @@ def ending_model(model: OctLM, end: int, prompt: list[int], place: int) -> OctLM
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_llama_cpp_completion_stops_at_the_end_of_text_and_nowhere_else(tmp_path, tied):
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
     run, model, bpe = write_run(tmp_path, "bpe", tied)
     prompt = "def f(x):"
     ids = bpe.encode(prompt.encode())
@@ -370,7 +372,7 @@ def test_llama_cpp_completion_stops_at_the_end_of_text_and_nowhere_else(tmp_path
 
 def test_llama_cpp_runs_a_byte_model_to_the_length_asked(tmp_path):
     """A byte model has no end of text: llama.cpp stops nowhere (its file's EOS is NUL)."""
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
     run, model, _bpe = write_run(tmp_path, "bytes", tied=False)
     export(run, tmp_path / "model.gguf")
     llm = llama(tmp_path / "model.gguf", CONFIG.max_length)
