@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import octlm
 from octlm import records
@@ -31,21 +32,29 @@ from octlm.training.folder import BEST, choose
 BATCH = 32  # windows per forward pass
 
 
+def validation(folder: Path) -> tuple[int, Tensor]:
+    """A run's ``--length`` and its validation tokens ``(N,)``."""
+    length = json.loads((folder / "config.json").read_text())["run"]["length"]
+    return length, data.load_tokens(folder / "data", "val", length).long()
+
+
+def windows(tokens: Tensor, length: int) -> list[Tensor]:
+    """``tokens (N,)`` in consecutive windows of ``length + 1`` that overlap by one token (the
+    last may be shorter): every token after the first is a target exactly once."""
+    return [tokens[start : start + length + 1] for start in range(0, len(tokens) - 1, length)]
+
+
 def held_out(folder: Path, step: int | str = BEST) -> dict:
     """The record of one run at the checkpoint ``step`` names: its step, how it was chosen,
     and bits per byte over the whole validation split."""
     chosen = choose(folder, step)
     model, tokenizer, step = octlm.load_run(folder, step=chosen.step)
-    length = json.loads((folder / "config.json").read_text())["run"]["length"]
-    tokens = data.load_tokens(folder / "data", "val", length).long()  # (N,)
+    length, tokens = validation(folder)
     token_bytes = tokenizer.token_bytes  # (V,)
-    starts = range(0, len(tokens) - 1, length)
-    full = [s for s in starts if s + length + 1 <= len(tokens)]
-    batches = [
-        torch.stack([tokens[s : s + length + 1] for s in full[i : i + BATCH]])
-        for i in range(0, len(full), BATCH)
-    ]  # (B, T + 1) each
-    batches += [tokens[s:][None] for s in starts if s + length + 1 > len(tokens)]  # (1, < T + 1)
+    pieces = windows(tokens, length)
+    full = [window for window in pieces if len(window) == length + 1]
+    batches = [torch.stack(full[i : i + BATCH]) for i in range(0, len(full), BATCH)]  # (B, T + 1)
+    batches += [window[None] for window in pieces if len(window) <= length]  # (1, < T + 1)
     nats, covered = 0.0, 0
     with torch.no_grad():
         for batch in batches:

@@ -28,6 +28,9 @@ def test_every_validation_byte_counts_once(tokenizer, tmp_path, monkeypatch):
     train(model_config, run, tmp_path / "run", progress=False)
     monkeypatch.setattr(held_out_bits, "BATCH", 3)  # several batches and a short last window
     record = held_out_bits.held_out(tmp_path / "run")
+    assert record["checkpoint"] == "the best (lowest validation loss)"
+    last = held_out_bits.held_out(tmp_path / "run", "last")
+    assert last["checkpoint"] == "the last" and last["step"] >= record["step"]
 
     model, tokens_of, _ = load_run(tmp_path / "run")
     tokens = data.load_tokens(tmp_path / "run" / "data", "val", run.length).long()  # (N,)
