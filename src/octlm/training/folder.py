@@ -303,8 +303,8 @@ def load_run(folder: str | os.PathLike, device: str = "cpu", *, step: int | str 
 
         model, tokenizer, step = octlm.load_run("runs/train")
 
-    A run that records no best (no evaluation yet, or metrics written before the best was
-    kept) gives its last checkpoint (:func:`choose`)."""
+    A run whose metrics name no best (no evaluation yet, or records without ``best_step``)
+    gives its last checkpoint (:func:`choose`)."""
     model, chosen = load_model(folder, device, step=step)
     return Run(model, load_tokenizer(folder), chosen.step)
 

@@ -8,11 +8,11 @@ rows (or, under context parallelism, all rows and this rank's positions), cuts t
 schedule (over the steps, or over the training time of a ``time_budget``, which also ends the
 run).
 The loss is the mean over the targets the global batch counts (packing ignores some), so
-accumulation and ranks leave it unchanged. Each evaluation names the run's best checkpoint (the
-lowest validation loss so far, in ``metrics.jsonl``), which the checkpoints kept always include;
-when validation has risen (:func:`octlm.training.metrics.risen`) the run says so, and with
-``early_stop`` it ends there. Losses per byte (bits) divide the summed token
+accumulation and ranks leave it unchanged. Losses per byte (bits) divide the summed token
 losses by the bytes those tokens stand for, so runs with other tokenizers compare.
+Each evaluation names the run's best checkpoint (the lowest validation loss so far, in
+``metrics.jsonl``), which the checkpoints kept always include; when validation has risen
+(:func:`octlm.training.metrics.risen`) the run says so, and with ``early_stop`` it ends there.
 Every source of randomness is seeded and checkpointed (weights, batch positions, dropout), so
 on CPU in float32 a run resumed from step ``k`` repeats the uninterrupted run's losses exactly.
 """
