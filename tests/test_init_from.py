@@ -156,5 +156,7 @@ def test_the_model_comes_from_the_folder_and_flags_set_only_how_it_runs(llama, c
         resolve(model={"width": 64, "n_layers": 6}, run=run)
     with pytest.raises(ValueError, match=r"--init-from takes the model from .* drop --preset"):
         resolve("small", run=run)
-    with pytest.raises(ValueError, match=r"has no config.json: not a transformers folder"):
+    with pytest.raises(ValueError, match=r"nowhere' does not exist: expected a transformers"):
         resolve(run={**run, "init_from": str(corpus.parent / "nowhere")})
+    with pytest.raises(ValueError, match=r"has no config.json: not a transformers folder"):
+        resolve(run={**run, "init_from": str(corpus.parent)})

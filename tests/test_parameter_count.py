@@ -24,5 +24,10 @@ def test_counts_need_no_model_and_equal_the_real_models(monkeypatch):
         real = sum(p.numel() for p in OctLM(ModelConfig(**shape)).parameters())
         assert count == real, shape
     for name, sizes in config.PRESETS.items():
-        real = sum(p.numel() for p in OctLM(ModelConfig(**sizes)).parameters())
-        assert f"{name}: " in summary and f"{real / 1e6:.2f}M parameters" in summary
+        bpe, byte = (
+            sum(p.numel() for p in OctLM(ModelConfig(**sizes, vocab_size=vocab)).parameters())
+            for vocab in (config.DEFAULT_BPE_VOCAB, 256)
+        )
+        [line] = [line for line in summary.splitlines() if line.startswith(f"{name}: ")]
+        assert f"{bpe / 1e6:.2f}M parameters with BPE" in line
+        assert f"({byte / 1e6:.2f}M with --tokenizer bytes)" in line

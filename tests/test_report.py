@@ -570,6 +570,24 @@ def test_a_training_run_folder_gets_a_training_report(tmp_path):
         assert picture.read_bytes().startswith(PNG)
 
 
+def test_a_run_report_goes_to_its_folder_and_replaces_no_benchmark_report(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    benchmark_report = Path(DEFAULT_OUTPUT)
+    benchmark_report.parent.mkdir(parents=True)
+    benchmark_report.write_text("the benchmark report\n")
+    runs = []
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run.mkdir()
+        write(run / "metrics.jsonl", [{"kind": "train_step", "step": 1, "loss": 1.0}])
+        runs.append(run)
+    assert main(["report", str(runs[0])]) == 0
+    assert (runs[0] / "report.md").read_text().startswith("# octlm training report")
+    assert main(["report", *map(str, runs)]) == 0
+    assert Path("runs/local/training-report.md").read_text().startswith("# octlm training")
+    assert benchmark_report.read_text() == "the benchmark report\n"
+
+
 def test_training_runs_and_benchmark_records_make_separate_reports(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

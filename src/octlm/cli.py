@@ -121,8 +121,8 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--output",
-        default="runs/local/report.md",
-        help="the report; PNGs go beside it (default %(default)s)",
+        help="the report; PNGs go beside it (default runs/local/report.md for records, "
+        "RUN/report.md for one run, runs/local/training-report.md for several)",
     )
 
     def run(args: argparse.Namespace) -> int:

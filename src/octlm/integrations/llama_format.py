@@ -156,7 +156,12 @@ def read_config(folder: str | os.PathLike) -> dict:
     """The ``ModelConfig`` fields of a transformers folder's ``config.json`` of the Llama family;
     ``ValueError`` naming a key whose value octlm cannot compute exactly."""
     path = Path(folder) / CONFIG
-    if Path(folder).exists() and not Path(folder).is_dir():
+    if not Path(folder).exists():
+        raise ValueError(
+            f"{str(folder)!r} does not exist: expected a transformers folder (with {CONFIG} and "
+            f"{WEIGHTS})"
+        )
+    if not Path(folder).is_dir():
         raise ValueError(
             f"{str(folder)!r} is a file, not a transformers folder (a folder with {CONFIG} and "
             f"{WEIGHTS}); a file saved with OctLM.save loads with OctLM.load"

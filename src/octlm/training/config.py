@@ -243,12 +243,17 @@ def parameter_count(config: ModelConfig) -> int:
 
 
 def preset_summary() -> str:
-    """One line per preset with its sizes and parameter count."""
+    """One line per preset with its sizes and parameter count, with the default BPE vocabulary
+    and with bytes."""
     lines = []
     for name, sizes in PRESETS.items():
-        count = parameter_count(ModelConfig(**sizes))
+        bpe = parameter_count(ModelConfig(**sizes, vocab_size=DEFAULT_BPE_VOCAB))
+        byte = parameter_count(ModelConfig(**sizes, vocab_size=BYTE_VOCAB))
         described = ", ".join(f"{key} {value}" for key, value in sizes.items())
-        lines.append(f"{name}: {described}; {count / 1e6:.2f}M parameters")
+        lines.append(
+            f"{name}: {described}; {bpe / 1e6:.2f}M parameters with BPE {DEFAULT_BPE_VOCAB:,} "
+            f"({byte / 1e6:.2f}M with --tokenizer bytes)"
+        )
     return "\n".join(lines)
 
 
@@ -534,7 +539,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         extras = {k: v for k, v in field.metadata.items() if k != "help"}
         help = field.metadata["help"]
         if "action" not in extras:
-            extras |= {"type": _field_type(field.type), "metavar": field.name.upper()}
+            extras |= {"type": _field_type(field.type)}
+            if "choices" not in extras:  # else argparse lists them
+                extras |= {"metavar": field.name.upper()}
             help += "" if field.default is None else f" (default {field.default})"
         if field.name in ("dtype", "optimizer"):
             extras |= {"choices": [AUTO, *DTYPES] if field.name == "dtype" else list(OPTIMIZERS)}

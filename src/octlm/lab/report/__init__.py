@@ -50,6 +50,7 @@ __all__ = ["DEFAULT_OUTPUT", "NOT_MEASURED", "collect", "comparison", "load", "w
 # Where a report goes unless told: not the committed runs/report.md, which `make reference`
 # writes by naming it.
 DEFAULT_OUTPUT = records.LOCAL / "report.md"
+TRAINING_OUTPUT = records.LOCAL / "training-report.md"
 
 
 def load(paths: Iterable[str | os.PathLike]) -> list[dict]:
@@ -59,19 +60,28 @@ def load(paths: Iterable[str | os.PathLike]) -> list[dict]:
 
 def write_report(
     paths: Iterable[str | os.PathLike] | None = None,
-    output: str | os.PathLike = DEFAULT_OUTPUT,
+    output: str | os.PathLike | None = None,
 ) -> Path:
     """Write ``output`` (Markdown) and its PNG plots beside it; return the Markdown's path.
 
     ``paths`` defaults to every ``runs/local/*.jsonl`` (this machine's own records; the
     committed reference records are ``runs/*.jsonl``); a training run's folder (or its
-    metrics.jsonl) gives that run's report instead. ``FileNotFoundError`` names a missing
-    input; ``ValueError`` an output that cannot be written, or training runs given with
-    benchmark records. Skipped lines are listed in the report and on stderr.
+    metrics.jsonl) gives that run's report instead. ``output`` defaults to
+    ``runs/local/report.md`` for records, to ``report.md`` in the run's folder for one run, and
+    to ``runs/local/training-report.md`` for several, so no report replaces another.
+    ``FileNotFoundError`` names a missing input; ``ValueError`` an output that cannot be
+    written, or training runs given with benchmark records. Skipped lines are listed in the
+    report and on stderr.
     """
-    output = records.check_writable(output, "output (--output)")
     paths = sorted(records.LOCAL.glob("*.jsonl")) if paths is None else [Path(p) for p in paths]
     paths = [training.metrics_of(p) if p.is_dir() else p for p in paths]
+    if output is None:
+        runs = [p for p in paths if p.name == training.METRICS]
+        if len(runs) == 1 and len(paths) == 1:
+            output = runs[0].parent / "report.md"
+        else:
+            output = TRAINING_OUTPUT if runs and len(runs) == len(paths) else DEFAULT_OUTPUT
+    output = records.check_writable(output, "output (--output)")
     if any(p.exists() and output.exists() and p.samefile(output) for p in paths):
         raise ValueError(f"output (--output) {str(output)!r} is one of the records read")
     found, machines = by_machine(paths)
