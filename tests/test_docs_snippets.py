@@ -79,7 +79,7 @@ ALL = [snippet for page in PAGES for snippet in snippets(page)]
 # with room for the prompts and generations the docs show.
 RUN_CONFIG = ModelConfig(vocab_size=256, width=32, n_layers=1, n_heads=4, max_length=128)
 RUNS = ("runs/laptop", "runs/train")
-EXPORTS = ("hf/laptop", "exported", "llama-folder", "some-folder")
+EXPORTS = ("hf/train", "hf/laptop", "exported", "llama-folder", "some-folder")
 
 
 def _folder(workspace: Path, name: str) -> None:
