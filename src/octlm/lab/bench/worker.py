@@ -168,7 +168,9 @@ def attention_call(measurement: Measurement, query, key, value, keywords: dict) 
         try:
             from octlm.attention.tiled import triton_flash
         except ImportError as error:
-            raise Unsupported(f"cannot import octlm.attention.triton_flash: {error}") from error
+            raise Unsupported(
+                f"cannot import octlm.attention.tiled.triton_flash: {error}"
+            ) from error
         unknown = sorted(set(keywords) - set(triton_flash.TRITON_KEYWORDS))
         if unknown:
             raise Unsupported(f"triton_attention takes no {', '.join(unknown)}")
