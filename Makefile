@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e ".[dev,triton,transformers,export]"
+	$(PY) -m pip install --quiet -e ".[dev,data,triton,transformers,export]"
 	touch $@
 
 # pytest-xdist runs the suite in parallel, each test independent of order and process: one
