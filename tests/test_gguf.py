@@ -328,6 +328,21 @@ def test_llama_cpp_gives_octlm_s_tokens_and_logits(tmp_path, tokenizer, tied):
     assert greedy_ids(llm, prompt, 40) == ours
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_greedy_tokens_agree_with_llama_cpp_for_the_model_s_whole_context(tmp_path, tokenizer):
+    """Prompt and continuation fill ``max_length``: octlm's cached decoding (octlm sample's,
+    tests/test_sample_context.py) and llama.cpp's argmax agree at every position."""
+    pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
+    run, model, bpe = write_run(tmp_path, tokenizer, tied=True)
+    export(run, tmp_path / "model.gguf")
+    llm = llama(tmp_path / "model.gguf", CONFIG.max_length)
+    prompt = bpe.encode(b"def f(x):") if bpe else list(b"def f(x):")
+    count = CONFIG.max_length - len(prompt)
+    with torch.no_grad():
+        ours = model.generate(torch.tensor([prompt]), count)[0, len(prompt) :].tolist()
+    assert greedy_ids(llm, prompt, count) == ours
+
+
 def ending_model(model: OctLM, end: int, prompt: list[int], place: int) -> OctLM:
     """``model`` whose head row for ``end`` is 1.5 times that of the token it draws greedily
     at ``place``: that token's (positive) logit is the largest there, so ``end`` wins there or
