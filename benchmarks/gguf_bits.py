@@ -8,8 +8,9 @@ Both figures read the run's validation split by benchmarks/held_out_bits.py's pr
 of the run's ``--length`` overlapping by one token, every target scored once, from at most
 ``length`` tokens of context); llama.cpp (llama-cpp-python: ``make llama-cpp``) scores each
 window from its own logits, with a float32 KV cache and flash attention off. ``--quantize TYPE``
-first writes each file's TYPE twin with llama.cpp's own quantizer (``llama_model_quantize``,
-what ``llama-quantize`` runs) and scores it too. The files should be exports of the checkpoint
+first writes the first file's TYPE twin (it should be the float32 export: llama.cpp does not
+quantize a quantized file again) with llama.cpp's own quantizer (``llama_model_quantize``, what
+``llama-quantize`` runs) and scores it too. The files should be exports of the checkpoint
 ``--step`` names. One record per file: its matrices' types, its bits per byte, octlm's, and
 their ratio; printed, and appended to ``--output`` when given.
 """
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     length, tokens = validation(args.run)
     token_bytes = load_tokenizer(args.run).token_bytes  # (V,)
     files = list(args.files)
-    files += [quantize(path, kind) for path in args.files for kind in args.quantize]
+    files += [quantize(args.files[0], kind) for kind in args.quantize]
     for path in files:
         bits = llama_cpp_bits(path, tokens, length, token_bytes)
         record = records.make("check", "gguf-bits") | {

@@ -1,5 +1,6 @@
 """``benchmarks/gguf_bits.py``: a GGUF file's held-out bits per byte in llama.cpp beside octlm's,
-by one protocol; the float32 file gives octlm's figure, q8_0 one close to it."""
+by one protocol; the float32 file gives octlm's figure, q8_0 one close to it; and octlm's q8_0
+file is llama.cpp's own quantization of the float32 one, byte for byte."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from octlm.cli import main
@@ -15,6 +17,8 @@ from octlm.training import train
 from octlm.training.config import resolve
 from tests.test_gguf import WITHOUT_LLAMA_CPP
 from tests.training_helpers import TINY_MODEL, TINY_RUN
+
+gguf = pytest.importorskip("gguf")
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # gguf_bits imports held_out_bits, its neighbour
@@ -50,3 +54,17 @@ def test_llama_cpp_scores_the_float32_file_as_octlm_does(exported, capsys):
     assert [record["file"] for record in found] == files
     assert found[0]["ratio"] == pytest.approx(1, abs=1e-4)
     assert found[1]["ratio"] == pytest.approx(1, abs=5e-3)
+
+
+def test_octlm_s_q8_0_is_llama_cpp_s_own_byte_for_byte(exported):
+    """Where rows fit, the same blocks; where they do not (the MLP's 88), float16 in both."""
+    pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
+    theirs = gguf_bits.quantize(exported / "float32.gguf", "Q8_0")
+    ours = {
+        t.name: (t.tensor_type, np.array(t.data))
+        for t in gguf.GGUFReader(exported / "q8_0.gguf").tensors
+    }
+    for tensor in gguf.GGUFReader(theirs).tensors:
+        kind, data = ours[tensor.name]
+        assert kind == tensor.tensor_type, tensor.name
+        assert np.array_equal(data, np.array(tensor.data)), tensor.name
