@@ -7,7 +7,8 @@ The corpus is a generated JSON Lines file of ``--size`` MB (FineWeb-shaped: one 
 record, Zipf-drawn made-up words of one to four syllables, some multi-byte) under the system's
 temporary folder, or ``--corpus``. One BPE of 4,096 tokens is learned from its first 10,000 records;
 then, in separate processes, the raw rate (read each line, ``json.loads``, ``encode_batch`` in
-batches of about 1 MB, ids dropped) and octlm's (``data.write_tokens``: the same reading, the
+batches of about 1 MB, ids dropped), the same with ``encode_batch_fast`` (no offsets, which
+octlm uses) and octlm's (``data.write_tokens``: the same reading, the
 split, encoding and the token files written). The record (appended to ``--output``, default
 ``runs/checks/data_prep.jsonl``) names the CPU and the load average before and after.
 """
@@ -18,7 +19,6 @@ import argparse
 import itertools
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -46,11 +46,13 @@ def generate(path: Path, size: int) -> None:
             out.write("".join(lines))
 
 
-def raw(corpus: Path, tokenizer_file: Path) -> dict:
-    """A plain ``encode_batch`` over the corpus's texts, read and parsed the same way."""
+def raw(corpus: Path, tokenizer_file: Path, method: str = "encode_batch") -> dict:
+    """A plain ``encode_batch`` (or ``method``) over the corpus's texts, read and parsed the
+    same way."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    encode = getattr(tokenizer, method)
     texts, pending, size, tokens = [], 0, 0, 0
     start = time.perf_counter()
     with corpus.open("rb") as lines:
@@ -59,10 +61,10 @@ def raw(corpus: Path, tokenizer_file: Path) -> dict:
             texts.append(text)
             pending += len(text)
             if pending >= BATCH_BYTES:
-                tokens += sum(len(e.ids) for e in tokenizer.encode_batch(texts))
+                tokens += sum(len(e.ids) for e in encode(texts))
                 size += sum(len(t.encode()) for t in texts)
                 texts, pending = [], 0
-    tokens += sum(len(e.ids) for e in tokenizer.encode_batch(texts))
+    tokens += sum(len(e.ids) for e in encode(texts))
     size += sum(len(t.encode()) for t in texts)
     return {"seconds": time.perf_counter() - start, "bytes": size, "tokens": tokens}
 
@@ -95,6 +97,13 @@ def measured(kind: str, corpus: Path, tokenizer_file: Path) -> dict:
     return record
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (VmHWM: its own since exec, where
+    getrusage's would carry the parent's from before it)."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
 def cpu() -> str:
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
@@ -111,12 +120,14 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1000, help="MB of generated JSON Lines")
     parser.add_argument("--corpus", type=Path, help="a JSON Lines file instead")
     parser.add_argument("--output", type=Path, default=Path("runs/checks/data_prep.jsonl"))
-    parser.add_argument("--side", choices=["raw", "octlm"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["raw", "raw-fast", "octlm"], help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:  # one measured side, in its own process
-        record = {"raw": raw, "octlm": octlm}[args.side](args.corpus, args.tokenizer)
-        record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        sides = {"raw": raw, "octlm": octlm}
+        sides["raw-fast"] = lambda *paths: raw(*paths, method="encode_batch_fast")
+        record = sides[args.side](args.corpus, args.tokenizer)
+        record["peak_rss_mb"] = peak_rss() / 2**20
         print(json.dumps(record))
         return
     from octlm.tokenizer import BPETokenizer
@@ -132,9 +143,12 @@ def main() -> None:
         before = load()
         record = {"corpus_mb": round(corpus.stat().st_size / 1e6, 1), "cpu": cpu()}
         record["raw"] = measured("raw", corpus, tokenizer_file)
+        record["raw_fast"] = measured("raw-fast", corpus, tokenizer_file)
         record["octlm"] = measured("octlm", corpus, tokenizer_file)
         record |= {"load_before": before, "load_after": load()}
-    record["ratio"] = record["octlm"]["mb_per_second"] / record["raw"]["mb_per_second"]
+    for side in ("raw", "raw_fast"):
+        rate = record["octlm"]["mb_per_second"] / record[side]["mb_per_second"]
+        record[f"ratio_to_{side}"] = round(rate, 3)
     print(json.dumps(record))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("a") as out:

@@ -239,3 +239,9 @@ def test_bpe_tokens_of_records_equal_encoding_each_alone(tmp_path):
     for text in expected_split("a.jsonl", [*RECORDS, "caf\u00e9 \ud800 odd"])["train"]:
         expected += [*tokenizer.encode(text), tokenizer.end_token]
     assert tokens == expected
+
+
+def test_a_compressed_file_of_no_text_is_said_empty(tmp_path):
+    file = write_compressed(tmp_path / "one.txt.gz", b"")
+    with pytest.raises(ValueError, match=r"one.txt.gz': its text is empty$"):
+        data.write_tokens(file, "*", 0.1, tmp_path / "t")

@@ -427,12 +427,13 @@ def _chain(first: bytes, second: bytes | None, rest: Iterator[bytes]) -> Iterato
 def _check_splits(found: Corpus, summary: dict) -> None:
     """Raise ValueError for a corpus of no text, or a split without any."""
     if not summary["train_bytes"] + summary["val_bytes"]:
-        what = (
-            f"field {found.formats.text_field!r} of every record"
-            if found.rule != "file"
-            else ("every matched file")
+        what = {"tail": "its text", "file": "every matched file"}.get(
+            found.rule, f"field {found.formats.text_field!r} of every record"
         )
-        raise ValueError(f"data {str(found.root)!r}: {what} is empty ({summary['empty_skipped']})")
+        skipped = summary["empty_skipped"]
+        raise ValueError(
+            f"data {str(found.root)!r}: {what} is empty" + f" ({skipped})" * bool(skipped)
+        )
     for split in SPLITS:
         if summary[f"{split}_bytes"] == 0:
             raise ValueError(
