@@ -11,13 +11,12 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
-
 import pytest
 
 from octlm import load_run
 from octlm.cli import main
 from octlm.training import checkpoint, config, loop, train
+from octlm.training import corpus as corpus_module
 from octlm.training.metrics import METRICS
 from tests.training_helpers import configs, losses, tiny_flags
 
@@ -50,17 +49,18 @@ def test_signal_while_preparing_stops_at_once_and_leaves_no_run(
     """Before the first step a signal stops the preparation where it is: no run, no
     half-written token file, exit 128 + signal; the next start begins afresh."""
     folder = tmp_path / "run"
-    read_bytes, documents = Path.read_bytes, []
+    read, documents = corpus_module.read, []
 
-    def signalled(path):  # the third document read: the split files are open, half written
-        documents.append(path)
-        if len(documents) == 3:
-            os.kill(os.getpid(), signal_number)
-        return read_bytes(path)
+    def signalled(*args):  # the third document read: the split files are open, half written
+        for document in read(*args):
+            documents.append(document)
+            if len(documents) == 3:
+                os.kill(os.getpid(), signal_number)
+            yield document
 
-    monkeypatch.setattr(Path, "read_bytes", signalled)
+    monkeypatch.setattr(corpus_module, "read", signalled)
     assert main(tiny_flags(corpus, folder, steps=2)) == 128 + signal_number
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(corpus_module, "read", read)
     assert len(documents) == 3  # it stopped there
     assert "before the first step; start it again" in capsys.readouterr().err
     assert not (folder / config.CONFIG_FILE).exists() and not list(folder.rglob("*.tmp"))
