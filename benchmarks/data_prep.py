@@ -2,6 +2,10 @@
 texts: MB/s and peak resident memory of each, each in a process of its own.
 
     .venv/bin/python benchmarks/data_prep.py [--size MB] [--output FILE] [--corpus FILE]
+    .venv/bin/python benchmarks/data_prep.py --size MB --text FILE
+
+``--text`` only writes a TinyStories-shaped text file of the same documents (between
+``<|endoftext|>`` lines), for measuring ``octlm train --data FILE`` (docs/training.md).
 
 The corpus is a generated JSON Lines file of ``--size`` MB (FineWeb-shaped: one document per
 record, Zipf-drawn made-up words of one to four syllables, some multi-byte) under the system's
@@ -29,8 +33,9 @@ BATCH_BYTES = 1 << 20
 VOCAB = 4096
 
 
-def generate(path: Path, size: int) -> None:
-    """A JSON Lines file of about ``size`` bytes of documents of 60 to 600 words."""
+def generate(path: Path, size: int, text: bool = False) -> None:
+    """A JSON Lines file of about ``size`` bytes of documents of 60 to 600 words; with
+    ``text``, a text file of them written as TinyStories is, between ``<|endoftext|>`` lines."""
     rng = random.Random(0)
     syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "an", "el", "or", "us", "é"]
     syllables += ["ü", "中", "th", "st", "ing"]
@@ -41,8 +46,9 @@ def generate(path: Path, size: int) -> None:
         while out.tell() < size:
             lines = []
             for index in range(1000):
-                text = " ".join(rng.choices(words, weights, k=rng.randint(60, 600)))
-                lines.append(json.dumps({"id": index, "text": text + ".\n"}) + "\n")
+                story = " ".join(rng.choices(words, weights, k=rng.randint(60, 600))) + ".\n"
+                record = {"id": index, "text": story}
+                lines.append(f"{story}<|endoftext|>\n" if text else json.dumps(record) + "\n")
             out.write("".join(lines))
 
 
@@ -119,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=1000, help="MB of generated JSON Lines")
     parser.add_argument("--corpus", type=Path, help="a JSON Lines file instead")
+    parser.add_argument("--text", type=Path, help="only write TinyStories-shaped text here")
     parser.add_argument("--output", type=Path, default=Path("runs/checks/data_prep.jsonl"))
     parser.add_argument("--side", choices=["raw", "raw-fast", "octlm"], help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
@@ -129,6 +136,9 @@ def main() -> None:
         record = sides[args.side](args.corpus, args.tokenizer)
         record["peak_rss_mb"] = peak_rss() / 2**20
         print(json.dumps(record))
+        return
+    if args.text:
+        generate(args.text, args.size * 10**6, text=True)
         return
     from octlm.tokenizer import BPETokenizer
 
