@@ -37,7 +37,7 @@ def test_switches_turn_either_way():
     config.add_arguments(parser)
     args = parser.parse_args(["--no-fsdp", "--context-parallel", "--no-compile"])
     _model, run = config.explicit_values(args)
-    assert run == {"fsdp": False, "context_parallel": True, "compile": False}
+    assert run == {"fsdp": False, "context_parallel": True, "compile": "off"}
 
 
 def test_flags_override_file_which_overrides_preset(tmp_path):
@@ -68,7 +68,7 @@ def test_parameter_count_is_the_models():
         ({"vocab_size": 300}, {"tokenizer": "bytes"}, "byte tokens need vocab_size 256, got 300"),
         ({}, {"prompt": "def\udcff"}, "prompt must be UTF-8 text"),
         ({}, {"pack": "false"}, "pack must be true or false, got 'false'"),
-        ({}, {"compile": 0}, "compile must be true or false, got 0"),
+        ({}, {"compile": 0}, "compile must be one of ('auto', 'on', 'off'), got 0"),
         ({}, {"glob": 7}, "glob must be a string, got 7"),
         ({"max_length": 8}, {"length": 16}, "length (16) exceeds max_length (8)"),
         ({"attention": "ring"}, {}, "--context-parallel"),

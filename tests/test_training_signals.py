@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+
 import pytest
 
 from octlm import load_run

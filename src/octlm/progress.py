@@ -29,18 +29,25 @@ class Progress:
         file: TextIO | None = None,
         every: float = 30.0,
         enabled: bool = True,
+        initial: float = 0,
     ):
         self.description, self.total, self.unit, self.every = description, total, unit, every
         self.file = sys.stderr if file is None else file
-        self.done = 0.0
+        self.initial = self.done = initial
         self.start = self.shown = time.monotonic()
         self.bar = None
         self.enabled = enabled
+        self.details: dict[str, str] = {}
         if enabled and self.file.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(
-                desc=description, total=total, unit=unit, unit_scale=True, file=self.file
+                desc=description,
+                total=total,
+                initial=initial,
+                unit=unit,
+                unit_scale=True,
+                file=self.file,
             )
 
     def update(self, amount: float = 1) -> None:
@@ -50,6 +57,19 @@ class Progress:
             self.bar.update(amount)
         elif self.enabled and time.monotonic() - self.shown >= self.every:
             self._line()
+
+    def show(self, **details: str) -> None:
+        """Show ``details`` (name: value) beside the count from now on."""
+        self.details = details
+        if self.bar is not None:
+            self.bar.set_postfix(details)
+
+    def write(self, line: str) -> None:
+        """Print ``line`` on stdout (above the bar in a terminal), shown or not."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         """End the bar, or say the last line."""
@@ -68,14 +88,17 @@ class Progress:
     def line(self) -> str:
         """Where the work stands, in words: done (of total), rate, and time left."""
         elapsed = time.monotonic() - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        done = f"{scaled(self.done)}{self.unit}"
+        rate = (self.done - self.initial) / elapsed if elapsed > 0 else 0.0
+        done = scaled(self.done)
         if self.total:
             done += f" of {scaled(self.total)}{self.unit} ({100 * self.done / self.total:.0f}%)"
+        else:
+            done += self.unit
         text = f"{self.description}: {done}, {scaled(rate)}{self.unit}/s"
         if self.total and rate > 0 and self.done < self.total:
             text += f", {duration((self.total - self.done) / rate)} left"
-        return text + f", {duration(elapsed)} so far"
+        text += f", {duration(elapsed)} so far"
+        return "; ".join([text, *(f"{name} {value}" for name, value in self.details.items())])
 
     def _line(self) -> None:
         self.shown = time.monotonic()
@@ -88,7 +111,7 @@ def scaled(value: float) -> str:
     while abs(value) >= 1000 and prefix < 4:
         value /= 1000
         prefix += 1
-    return f"{value:.3g}{' kMGT'[prefix]}" if prefix else f"{value:.0f}"
+    return f"{value:.3g}{' kMGT'[prefix]}" if prefix else f"{value:.3g}"
 
 
 def duration(seconds: float) -> str:

@@ -22,6 +22,7 @@ from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 from octlm.training.budget import parse_duration
+from octlm.training.compiled import MODES, check_mode
 from octlm.training.corpus import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Formats
 from octlm.training.optim import DEFAULT_OPTIMIZER, OPTIMIZERS
 from octlm.training.precision import AUTO
@@ -134,7 +135,14 @@ class RunConfig:
         "(autocast, CUDA)",
     )
     device: str | None = _option(None, "cpu or cuda (default: cuda when there is one)")
-    compile: bool = _switch("torch.compile the model")
+    compile: str = _option(
+        "auto",
+        "torch.compile each step's forward and loss: on, off, or auto (on CUDA, and on a CPU "
+        "where a C++ compiler is found); --compile alone is on, --no-compile off",
+        choices=MODES,
+        nargs="?",
+        const="on",
+    )
     checkpoint_activations: bool = _switch("recompute each block in backward (less memory)")
     eval_every: int = _option(250, "steps between evaluations (and at the end)")
     eval_batches: int = _option(16, "fixed validation batches per evaluation")
@@ -148,7 +156,10 @@ class RunConfig:
         "(validation has risen); without it the run trains on and says so after 3",
     )
     log_every: int = _option(10, "steps between metrics.jsonl records")
-    prompt: str = _option("def ", "prompt of the sample printed at each evaluation")
+    prompt: str | None = _option(
+        None,
+        "prompt of the sample printed at each evaluation (default: the start of the held-out text)",
+    )
     sample_tokens: int = _option(96, "tokens sampled at each evaluation")
     fsdp: bool = _switch("shard parameters with FSDP2 (under torchrun)")
     context_parallel: bool = _switch("split each sequence across ranks with ring attention")
@@ -160,6 +171,7 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        self.compile = check_mode(self.compile)
         if self.steps is None and self.time_budget is None:
             self.steps = DEFAULT_STEPS
         positive = ("batch", "length", "accumulate", "eval_every", "eval_batches")
@@ -180,7 +192,8 @@ class RunConfig:
                 raise ValueError(f"{field.name} must be a string, got {value!r}")
         if self.seed >= 2**63:  # seeds derived from it (seed + rank) must stay in int64
             raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
-        prompt_bytes(self.prompt)
+        if self.prompt is not None:
+            prompt_bytes(self.prompt)
         if self.time_budget is not None:
             parse_duration(self.time_budget)
         if self.device is not None:
@@ -549,6 +562,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         run_group.add_argument(
             _flag(field.name), dest=f"run.{field.name}", default=None, help=help, **extras
         )
+        if field.name == "compile":
+            run_group.add_argument(
+                "--no-compile",
+                dest="run.compile",
+                action="store_const",
+                const="off",
+                help="--compile off",
+            )
     model_group = parser.add_argument_group("model (default: the preset's, else ModelConfig's)")
     for field in fields(ModelConfig):
         if field.type == "bool":

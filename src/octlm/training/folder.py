@@ -17,12 +17,9 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
-
-from tqdm.auto import tqdm
 
 from octlm.model import ModelConfig, OctLM, is_int_at_least
 from octlm.tokenizer import STORING as STORING_TOKENIZER
@@ -39,6 +36,7 @@ from octlm.training.config import (
     to_dict,
 )
 from octlm.training.metrics import METRICS, PICTURE, recorded_best
+from octlm.training.prepare import run_tokens
 
 DATA_FOLDER = "data"
 # Marks a run folder that octlm made and has not yet brought to its first step.
@@ -123,7 +121,9 @@ def prepare(
             "token files cannot be checked; start the run again (--overwrite)"
         )
     if summary is None:
-        summary = _write_tokens(folder, model_config, run, bpe is not None, progress)
+        summary = run_tokens(
+            folder / DATA_FOLDER, folder, model_config.vocab_size, run, bpe is not None, progress
+        )
     _check_tokenizer(folder, summary, model_config, run)
     return summary
 
@@ -139,43 +139,6 @@ def _check_resumable(folder: Path, model_config: ModelConfig, run: RunConfig) ->
             f"--resume: {str(folder)!r} has no checkpoint to resume from (the run stopped "
             "before its first one): start it again with --overwrite"
         )
-
-
-def _write_tokens(
-    folder: Path, model_config: ModelConfig, run: RunConfig, imported: bool, progress: bool
-) -> dict:
-    """The corpus tokenized into ``folder/data`` by the run's tokenizer (an ``imported`` one is
-    in the folder already; a BPE is trained on the training split and saved); the summary."""
-    source, glob = data.default_corpus()
-    source, glob = (source, glob) if run.data is None else (run.data, run.glob or data.DEFAULT_GLOB)
-    glob = run.glob or glob
-    if imported:  # the imported tokenizer, not one trained on this corpus
-        tokenizer = BPETokenizer.from_file(folder / TOKENIZER_FILE)
-    elif run.tokenizer == "bpe":
-        if progress:
-            print(
-                f"training a byte-level BPE of {model_config.vocab_size:,} tokens on the "
-                f"training split of {source} ...",
-                file=sys.stderr,
-                flush=True,
-            )
-        texts = data.training_texts(source, glob, run.val_share)
-        try:
-            tokenizer = BPETokenizer.train(texts, model_config.vocab_size)
-        except ValueError as error:  # a corpus too small for the vocabulary
-            raise ValueError(f"{error}; or --tokenizer bytes, which learns nothing") from None
-    else:
-        tokenizer = ByteTokenizer()
-    bar = tqdm(
-        desc=f"tokenising {source}", unit="B", unit_scale=True, leave=False, disable=not progress
-    )
-    with bar:
-        summary = data.write_tokens(
-            source, glob, run.val_share, folder / DATA_FOLDER, tokenizer, progress=bar.update
-        )
-    if not imported:  # an imported tokenizer.json is already there, as it came
-        tokenizer.save(folder)
-    return summary
 
 
 def store_config(folder: Path, model_config: ModelConfig, run: RunConfig) -> None:

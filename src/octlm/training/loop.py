@@ -34,17 +34,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.checkpoint import checkpoint as recompute
-from tqdm.auto import tqdm
 
 from octlm import signals
 from octlm.attention import implementation
 from octlm.context_parallel import context_parallel_loss
 from octlm.model import ModelConfig, OctLM
+from octlm.progress import Progress
 from octlm.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import checkpoint, data, distributed
 from octlm.training import folder as run_folder
 from octlm.training.allocator import keep_freed_memory
 from octlm.training.budget import Stopwatch
+from octlm.training.compiled import CompiledLoss, compiles_here
 from octlm.training.config import (
     DTYPES,
     RunConfig,
@@ -71,6 +72,7 @@ from octlm.training.sample import generate_text
 LN2 = math.log(2)
 # Ctrl-C, and a closed terminal or ssh session, end a run after its step as SIGTERM does.
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+OPENING = 8  # tokens of held-out text that prompt the evaluation sample without --prompt
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,11 @@ def train(
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
     if cluster.device.type == "cpu":
         keep_freed_memory()
-    chosen = run.dtype == AUTO  # resolved from rank 0's hardware, stored as resolved
+    # auto values resolved from rank 0's hardware, stored as resolved; the reasons are said
+    chosen = {"dtype": run.dtype == AUTO}
     run = replace(run, dtype=cluster.share(resolve_dtype(run.dtype, cluster.device)))
+    compiles, chosen["compile"] = compiles_here(run, cluster.device)
+    run = replace(run, compile="on" if cluster.share(compiles) else "off")
     folder = Path(out)
     try:
         with signals.stop_on_signals(STOPPING) as stop, run_folder.hold(folder, cluster):
@@ -139,15 +144,15 @@ def train(
 
 
 def _loop(
-    state: Training, summary: dict, resume: bool, progress: bool, stop: signals.Stop, chosen: bool
+    state: Training, summary: dict, resume: bool, progress: bool, stop: signals.Stop, chosen: dict
 ) -> Outcome:
     """Step until the run's steps or budget are done or a signal comes: records every
     ``log_every`` steps, checkpoints and evaluations at theirs and at the end."""
     run, cluster, folder, stopwatch = state.run, state.cluster, state.folder, state.stopwatch
     metrics = Metrics(folder, cluster.device, enabled=cluster.is_main)
     start = _begin(state, metrics, summary, resume, stop, chosen)
-    bar = tqdm(
-        total=run.steps, initial=start, unit="step", disable=not (progress and cluster.is_main)
+    bar = Progress(
+        "training", run.steps, " steps", initial=start, enabled=progress and cluster.is_main
     )
     began, tokens_seen = time.perf_counter(), 0
     last_eval, evaluated, stopped_by, step, early = None, None, None, start, False
@@ -179,9 +184,7 @@ def _loop(
                 train_seconds=stopwatch.elapsed,
                 **peak_memory(cluster.device),
             )
-            bar.set_postfix(
-                loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}", **_budget(run, stopwatch)
-            )
+            bar.show(loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}", **_budget(run, stopwatch))
             began, tokens_seen = time.perf_counter(), 0
         # Before the evaluation: an evaluation that fails (memory, a full disk) loses no step.
         saved = step % run.checkpoint_every == 0 or final
@@ -227,7 +230,7 @@ def _loop(
 
 
 def _begin(
-    state: Training, metrics: Metrics, summary: dict, resume: bool, stop: signals.Stop, chosen: bool
+    state: Training, metrics: Metrics, summary: dict, resume: bool, stop: signals.Stop, chosen: dict
 ) -> int:
     """Restore a resumed run and launch the model, then defer signals to the end of a step and
     announce the run; the step it starts after."""
@@ -251,7 +254,7 @@ def _begin(
 
 
 def _evaluate(
-    state: Training, metrics: Metrics, bar: tqdm, step: int, train_loss: float, saved: bool
+    state: Training, metrics: Metrics, bar: Progress, step: int, train_loss: float, saved: bool
 ) -> Evaluation:
     """Evaluate after ``step``: its record, naming the best checkpoint (written now if this
     step is the best and had none), a line under the progress bar, the loss picture."""
@@ -287,7 +290,7 @@ def _evaluate(
     return evaluation
 
 
-def _risen(state: Training, bar: tqdm) -> bool:
+def _risen(state: Training, bar: Progress) -> bool:
     """Say once per best when validation has risen (over ``early_stop`` evaluations, else
     :data:`RISE`); whether the run ends here (``early_stop``)."""
     count = state.run.early_stop or RISE
@@ -334,7 +337,9 @@ class Training:
     token_bytes: Tensor  # (V,) bytes each token stands for
     stopwatch: Stopwatch  # training time, over every launch of the run
     autocast: torch.autocast
-    model: nn.Module | None = None  # what a step calls (DDP, compiled): set by launch
+    opening: str = "\n"  # the evaluation sample's prompt without --prompt: held-out text's start
+    model: nn.Module | None = None  # what a step calls (DDP): set by launch
+    loss: CompiledLoss | None = None  # the summed token loss, compiled or not: set by launch
     # The run's evaluations ({step, val_loss, val_bits_per_byte}) and the step of the best
     # that its records name, whose checkpoint :meth:`save` keeps.
     evaluations: list[dict] = field(default_factory=list)
@@ -400,13 +405,16 @@ class Training:
             tokenizer.token_bytes,
             stopwatch,
             autocast,
+            opening=_opening(tokens["val"], tokenizer),
         )
 
     def launch(self) -> None:
-        """Wrap the model for the steps (DDP; torch.compile with ``compile``)."""
+        """Wrap the model for the steps (DDP), and compile their loss with ``compile``."""
         self.model = distributed.wrap(self.raw, self.cluster)
-        if self.run.compile:
-            self.model = torch.compile(self.model)
+        compiling = self.run.compile == "on"
+        if compiling and self.cluster.world > 1:  # DDP, FSDP: dynamo splits at their buckets
+            self.model, compiling = torch.compile(self.model), False
+        self.loss = CompiledLoss(_summed_loss, on=compiling)
 
     def step(self, batch: data.Batch) -> tuple[Tensor, Tensor, float]:
         """One optimizer step on this rank's part of the global ``batch`` (B, T), then the
@@ -416,7 +424,7 @@ class Training:
         for index, (micro, share) in enumerate(_micro_batches(batch, run, cluster)):
             with distributed.gradient_sync(self.model, enabled=index == run.accumulate - 1):
                 with self.autocast:
-                    loss = _loss(self.model, micro, share, cluster)
+                    loss = _loss(self.loss, self.model, micro, share, cluster)
                 self.scaler.scale(loss).backward()
             total += loss.detach()
         distributed.finish_gradients(self.raw, cluster)
@@ -443,7 +451,7 @@ class Training:
                 loss = 0.0
                 for micro, share in _micro_batches(batch, self.run, self.cluster):
                     with self.autocast:
-                        part = _loss(self.model, micro, share, self.cluster)
+                        part = _loss(self.loss.eager, self.model, micro, share, self.cluster)
                     loss += self.cluster.total(part).item()
                 losses.append(loss)
             self.model.train()
@@ -452,7 +460,10 @@ class Training:
             text = None
             if sampler is not None:
                 text = generate_text(
-                    sampler, self.run.prompt, self.run.sample_tokens, tokenizer=self.tokenizer
+                    sampler,
+                    self.run.prompt or self.opening,
+                    self.run.sample_tokens,
+                    tokenizer=self.tokenizer,
                 )
         bits = val_loss * self.tokens_per_byte(self.validation) / LN2
         return Evaluation(val_loss, bits, text)
@@ -556,22 +567,42 @@ def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> N
         )
 
 
-def _loss(model: nn.Module, micro: data.Batch, share: float, cluster: Cluster) -> Tensor:
-    """This rank's part of the batch's mean loss: its micro-batch's summed token losses over
-    ``share``, the targets the whole batch counts per data rank (gradients are averaged over
-    data ranks, so the parts add up to the mean)."""
+def _loss(
+    summed: Callable, model: nn.Module, micro: data.Batch, share: float, cluster: Cluster
+) -> Tensor:
+    """This rank's part of the batch's mean loss: its micro-batch's summed token losses
+    (``summed``: :func:`_summed_loss`, compiled or not) over ``share``, the targets the whole
+    batch counts per data rank (gradients are averaged over data ranks, so the parts add up to
+    the mean)."""
     if cluster.mode == "context":
         return context_parallel_loss(model, micro.inputs, micro.targets) * (
             micro.targets.numel() / share
         )
-    logits = model(micro.inputs, micro.document_ids)  # (b, T, V)
-    total = F.cross_entropy(
+    return summed(model, micro.inputs, micro.targets, micro.document_ids) / share
+
+
+def _summed_loss(
+    model: nn.Module, inputs: Tensor, targets: Tensor, document_ids: Tensor | None
+) -> Tensor:
+    """The summed cross-entropy of ``inputs (b, T)`` against ``targets (b, T)``, computed from
+    float32 logits; what ``--compile`` compiles, one graph from tokens to the loss."""
+    logits = model(inputs, document_ids)  # (b, T, V)
+    return F.cross_entropy(
         logits.float().flatten(0, 1),
-        micro.targets.flatten(),
+        targets.flatten(),
         ignore_index=data.IGNORED,
         reduction="sum",
     )
-    return total / share
+
+
+def _opening(tokens: Tensor, tokenizer) -> str:
+    """The start of the held-out text ``tokens (N,)``: its first :data:`OPENING` tokens, cut
+    at the first end of text, as text (a newline where that leaves none)."""
+    ids = tokens[:OPENING].tolist()
+    if tokenizer.end_token in ids:
+        ids = ids[: ids.index(tokenizer.end_token)]
+    text = tokenizer.decode(ids).decode("utf-8", errors="ignore")
+    return text or "\n"
 
 
 def _micro_batches(batch: data.Batch, run: RunConfig, cluster: Cluster):
@@ -617,18 +648,22 @@ def _announce(
     run: RunConfig,
     cluster: Cluster,
     start: int,
-    chosen: bool,
+    chosen: dict,
 ) -> None:
-    """The run's start lines: its data, its tokens, its model and how it runs (``chosen``: the
-    dtype is --dtype auto's pick for this hardware)."""
+    """The run's start lines: its data, its tokens, its model and how it runs (``chosen``:
+    whether the dtype is --dtype auto's pick for this hardware, and why the steps are compiled
+    or not)."""
     units = "has" if run.dtype == "bfloat16" else "lacks"
     dtype = f"{run.dtype} (auto: the {cluster.device.type} {units} bfloat16 units)"
     parameters = parameter_count(model_config)
+    skipped = summary["empty_skipped"]
     print(
         f"data {summary['source']} ({summary['glob']}): "
-        f"train {summary['train_documents']} documents, {summary['train_bytes']:,} bytes; "
-        f"validation {summary['val_documents']} documents, {summary['val_bytes']:,} bytes"
-        + (f"; {summary['empty_skipped']} empty files skipped" if summary["empty_skipped"] else "")
+        f"train {summary['train_documents']:,} documents, {summary['train_bytes']:,} bytes; "
+        f"validation {summary['val_documents']:,} documents, {summary['val_bytes']:,} bytes, "
+        f"{100 * data.held_out_share(summary):.1f}% (--val-share {summary['val_share']}) by "
+        f"{data.RULES.get(summary.get('split', 'file'), 'a hash of each file')}"
+        + (f"; {skipped:,} empty documents skipped" if skipped else "")
     )
     if summary["tokenizer"] != "bytes":
         print(
@@ -639,7 +674,8 @@ def _announce(
     print(
         f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
         f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, "
-        f"{dtype if chosen else run.dtype}; "
+        f"{dtype if chosen['dtype'] else run.dtype}, "
+        f"{'compiled' if run.compile == 'on' else 'eager'} ({chosen['compile']}); "
         f"batch {run.batch} x {run.length} tokens{', packed' if run.pack else ''}, "
         f"steps {start + 1}..{run.steps or ''}"
         + (f", time budget {_as_given(run.time_budget)}" if run.time_budget else "")

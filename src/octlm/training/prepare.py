@@ -103,7 +103,6 @@ def tokenize(
         summary["tokenizer_learned_bytes"] = learned[0]
         data.write_summary(data_folder, summary)
         tokenizer.save(tokenizer_folder)
-    say(status(summary), progress)
     return summary
 
 
@@ -165,6 +164,7 @@ def prepare_folder(run, vocab_size: int, out: str | os.PathLike, progress: bool 
     shutil.rmtree(making, ignore_errors=True)  # what a killed preparation left
     try:
         summary = tokenize(run, vocab_size, making, making, progress=progress)
+        say(status(summary), progress)
         earlier = out.with_name(f".{out.name}.earlier")
         if out.exists():
             os.replace(out, earlier)
@@ -212,7 +212,7 @@ def reuse(
         _link(prepared / TOKENIZER_FILE, tokenizer_folder / TOKENIZER_FILE, copy=True)
     summary[PREPARED] = str(prepared.resolve())
     data.write_summary(data_folder, summary)
-    say(f"tokens from {prepared}: " + status(summary).removeprefix("data: "), progress)
+    say(f"tokens from {prepared}", progress)
     return summary
 
 
