@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from octlm import records
 from octlm.lab.bench.timing import machine_cpu_seconds
-from octlm.records import machine
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -79,13 +79,13 @@ def main() -> None:
             result = {mode: train(Path(scratch) / f"{round}-{mode}", mode, args) for mode in modes}
             ratio = result["on"]["tokens_per_second"] / result["off"]["tokens_per_second"]
             ratios.append(ratio)
-            record = {"preset": args.preset, "steps": args.steps, "extra": args.extra}
+            record = records.make(
+                "check", "compile-speed", preset=args.preset, steps=args.steps, extra=args.extra
+            )
             record |= {"round": round, "ratio": ratio, "eager": result["off"]}
-            record |= {"compiled": result["on"], **machine()}
+            record["compiled"] = result["on"]
             print(json.dumps(record), flush=True)
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            with args.output.open("a") as out:
-                out.write(json.dumps(record) + "\n")
+            records.append(args.output, record)
     print(
         f"{args.preset}: compiled/eager tokens per second, median {statistics.median(ratios):.3f} "
         f"(from {min(ratios):.3f} to {max(ratios):.3f}, {len(ratios)} rounds)"

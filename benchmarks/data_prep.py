@@ -110,12 +110,6 @@ def peak_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def cpu() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return f"{names[0]} x {len(names)}" if names else "unknown"
-
-
 def load() -> str:
     """The load averages over 1, 5 and 15 minutes."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -140,6 +134,7 @@ def main() -> None:
     if args.text:
         generate(args.text, args.size * 10**6, text=True)
         return
+    from octlm import records
     from octlm.tokenizer import BPETokenizer
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -151,7 +146,7 @@ def main() -> None:
         BPETokenizer.train(head, VOCAB).save(scratch)
         tokenizer_file = Path(scratch) / "tokenizer.json"
         before = load()
-        record = {"corpus_mb": round(corpus.stat().st_size / 1e6, 1), "cpu": cpu()}
+        record = records.make("check", "data-prep", corpus_mb=round(corpus.stat().st_size / 1e6, 1))
         record["raw"] = measured("raw", corpus, tokenizer_file)
         record["raw_fast"] = measured("raw-fast", corpus, tokenizer_file)
         record["octlm"] = measured("octlm", corpus, tokenizer_file)
@@ -160,9 +155,7 @@ def main() -> None:
         rate = record["octlm"]["mb_per_second"] / record[side]["mb_per_second"]
         record[f"ratio_to_{side}"] = round(rate, 3)
     print(json.dumps(record))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("a") as out:
-        out.write(json.dumps(record) + "\n")
+    records.append(args.output, record)
 
 
 if __name__ == "__main__":

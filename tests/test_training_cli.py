@@ -7,11 +7,8 @@ Runs use a model of a few thousand parameters on a few kilobytes of generated te
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
+from functools import partialmethod
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ import torch
 from octlm import load_run
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
+from octlm.progress import Progress
 from octlm.training import checkpoint, train
 from octlm.training.sample import generate_text
 from tests.training_helpers import configs, losses, tiny_flags
@@ -81,21 +79,21 @@ def test_sample_is_the_models_own_decoding(corpus, tmp_path):
     assert drawn[0] == drawn[1]
 
 
-def test_a_log_outside_a_terminal_is_plain_lines_and_samples_start_from_held_out_text(tmp_path):
-    """Piped, as to a file: no bar frames, one plain progress line at the end; without --prompt
-    the evaluation sample starts with the held-out text, whatever the corpus."""
+def test_a_log_outside_a_terminal_is_plain_lines_and_samples_start_from_held_out_text(
+    tmp_path, capsys, monkeypatch
+):
+    """Not a terminal (as a log file is): plain progress lines, no bar frames; without
+    --prompt the evaluation sample starts with the held-out text, whatever the corpus."""
+    monkeypatch.setattr(Progress, "__init__", partialmethod(Progress.__init__, every=0.0))
     corpus = tmp_path / "verse.txt"
     corpus.write_text("Shall I compare thee to a summer's day?\n" * 40)
     flags = tiny_flags(corpus, tmp_path / "run", steps=12)
     flags[flags.index("--eval-every") + 1] = "6"
-    done = subprocess.run(
-        [sys.executable, "-m", "octlm", *flags], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "\r" not in done.stderr and "step/s]" not in done.stderr
-    progress = [line for line in done.stderr.splitlines() if line.startswith("training: ")]
-    assert len(progress) == 1 and progress[0].startswith("training: 12 of 12 steps (100%)")
-    samples = [line for line in done.stdout.splitlines() if line.startswith("  sample: ")]
+    assert main(flags) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in err and "step/s]" not in err
+    progress = [line for line in err.splitlines() if line.startswith("training: ")]
+    assert len(progress) == 13 and progress[-1].startswith("training: 12 of 12 steps (100%)")
+    samples = [line for line in out.splitlines() if line.startswith("  sample: ")]
     # The held-out tenth of 40 lines of 40 bytes starts at a line; the prompt is 8 bytes of it.
     assert len(samples) == 2 and all(line.startswith("  sample: 'Shall I ") for line in samples)

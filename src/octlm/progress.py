@@ -7,7 +7,7 @@ A log redirected to a file keeps a few readable lines instead of thousands of ba
             progress.update(len(piece))
 
 Outside a terminal each line says how far, how fast and how long is left, at most once every
-``every`` seconds, and once more at the end.
+``every`` seconds, and once more at the end of work that took a line before.
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ class Progress:
             print(line, flush=True)
 
     def close(self) -> None:
-        """End the bar, or say the last line."""
+        """End the bar, or say the last line where a line was said before."""
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
+        elif self.enabled and self.shown > self.start:
             self._line()
         self.enabled = False
 
