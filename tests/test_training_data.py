@@ -108,6 +108,13 @@ def test_evaluation_batches_span_the_split(corpus, tmp_path):
     assert torch.equal(found[-1][1][-1], tokens[-16:].long())  # the last target is the end
 
 
+def test_evaluation_batches_of_a_split_past_float32s_integers_end_at_its_end():
+    """31,309,852 tokens: float32 would round the last start up, past the split's end."""
+    tokens = torch.arange(31_309_852, dtype=torch.int32)  # (N,) each token its own place
+    found = data.evaluation_batches(tokens, 128, batch=16, count=16)
+    assert int(found[-1].targets[-1, -1]) == len(tokens) - 1  # the last target is the end
+
+
 def test_tokens_record_where_documents_start(corpus, tmp_path):
     data.write_tokens(corpus, "**/*.txt", 0.3, tmp_path / "tokens")
     documents = data.find_documents(corpus, "**/*.txt")

@@ -629,5 +629,6 @@ class PackedBatches(Batches):
 def evaluation_batches(tokens: Tensor, length: int, batch: int, count: int) -> list[Batch]:
     """``count`` fixed batches whose windows are spread evenly over the whole split."""
     last = len(tokens) - length - 1
-    starts = torch.linspace(0, last, count * batch).round().long()  # (count * batch,)
+    # float64: float32 rounds starts past 2**24 tokens, the last one beyond the split's end
+    starts = torch.linspace(0, last, count * batch, dtype=torch.float64).round().long()  # (n,)
     return [windows(tokens, chunk, length) for chunk in starts.split(batch)]
