@@ -325,7 +325,7 @@ def test_a_packed_bpe_run_trains(corpus, tmp_path):
     [
         ({"vocab_size": 300}, {"tokenizer": "bytes"}, "byte tokens need vocab_size 256, got 300"),
         ({"vocab_size": 256}, {}, "BPE vocab_size must be above 256"),
-        ({}, {"tokenizer": "words"}, r"tokenizer must be one of \('bytes', 'bpe'\)"),
+        ({}, {"tokenizer": "words"}, r"tokenizer must be one of \('auto', 'bytes', 'bpe'\)"),
     ],
 )
 def test_a_vocabulary_that_is_not_the_tokenizer_s_is_refused(corpus, model, run, message):
@@ -334,8 +334,8 @@ def test_a_vocabulary_that_is_not_the_tokenizer_s_is_refused(corpus, model, run,
 
 
 def test_octlm_train_defaults_to_a_bpe_of_4096_and_bytes_is_one_flag_away(corpus):
-    model_config, run = resolve(run={"data": str(corpus)})
-    assert (run.tokenizer, model_config.vocab_size) == ("bpe", 4096)
+    model_config, run = resolve(run={"data": str(corpus), "tokenizer": "auto", "steps": 1})
+    assert (run.tokenizer, model_config.vocab_size) == ("bpe", 4096)  # read once: BPE
     assert resolve(run={"tokenizer": "bytes", "data": str(corpus)})[0].vocab_size == 256
 
 

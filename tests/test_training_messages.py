@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import fields
+from functools import partialmethod
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 import octlm
 from octlm.cli import build_parser, main
 from octlm.model import ModelConfig, OctLM
+from octlm.progress import Progress
 from octlm.training import checkpoint, loop, train
 from tests.training_helpers import configs, read_metrics, tiny_flags
 
@@ -122,7 +124,8 @@ def test_sample_says_what_a_folder_is_when_it_is_no_run(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_preparing_the_data_shows_progress(corpus, tmp_path, capsys):
+def test_preparing_the_data_shows_progress(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Progress, "__init__", partialmethod(Progress.__init__, every=0.0))
     model_config, run = configs(corpus, steps=1, tokenizer="bpe")
     model_config = type(model_config)(**{**model_config.__dict__, "vocab_size": 300})
     train(model_config, run, tmp_path / "run", progress=True)

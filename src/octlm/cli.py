@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
 import re
 import signal
 import sys
@@ -165,10 +166,13 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
 
         model_values, run_values = config.explicit_values(args)
         resume = args.out if args.resume else None
+        said: list[str] = []
         try:
             model_config, run_config = config.resolve(
-                args.preset, args.config, model_values, run_values, resume=resume
+                args.preset, args.config, model_values, run_values, resume=resume, said=said
             )
+            if os.environ.get("RANK", "0") == "0":  # one line, not one per torchrun process
+                print(*said, sep="\n", end="\n" if said else "")
             outcome = train(
                 model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
             )
@@ -233,6 +237,7 @@ def _prepare_parser(parser: argparse.ArgumentParser) -> None:
         from octlm.training import prepare
 
         model_values, run_values = config.explicit_values(args)
+        run_values.setdefault("tokenizer", "bpe")  # auto's rule needs a run's length
         try:
             model_config, run_config = config.resolve(None, None, model_values, run_values)
             prepare.prepare_folder(run_config, model_config.vocab_size, args.out)

@@ -21,6 +21,7 @@ from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
+from octlm.training import recipe
 from octlm.training.budget import parse_duration
 from octlm.training.compiled import MODES, check_mode
 from octlm.training.corpus import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Formats
@@ -94,10 +95,11 @@ class RunConfig:
     )
     val_share: float = _option(0.1, "share of documents held out for validation")
     tokenizer: str = _option(
-        "bpe",
+        AUTO,
         f"bpe: a byte-level BPE of --vocab-size tokens (default {DEFAULT_BPE_VOCAB}) trained on "
-        "the training split; or bytes: every byte a token, nothing to train",
-        choices=NAMES,
+        "the training split; bytes: every byte a token, nothing to train; auto: bpe, or bytes "
+        "where the run would read a small corpus many times (docs/training.md)",
+        choices=(AUTO, *NAMES),
     )
     pack: bool = _switch(
         "fill each row with whole documents that attend only within themselves (documents "
@@ -213,8 +215,8 @@ class RunConfig:
         if self.dtype not in (AUTO, *DTYPES):
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
         Formats(self.text_field, self.separator)
-        if self.tokenizer not in NAMES:
-            raise ValueError(f"tokenizer must be one of {NAMES}, got {self.tokenizer!r}")
+        if self.tokenizer not in (AUTO, *NAMES):
+            raise ValueError(f"tokenizer must be one of {(AUTO, *NAMES)}, got {self.tokenizer!r}")
         if self.fsdp and self.context_parallel:
             raise ValueError("fsdp and context_parallel cannot be combined: choose one")
 
@@ -308,8 +310,12 @@ def resolve(
     run: dict | None = None,
     *,
     resume: str | Path | None = None,
+    said: list[str] | None = None,
 ) -> tuple[ModelConfig, RunConfig]:
     """Defaults, then ``preset``, then ``file``, then the explicit ``model`` and ``run`` values.
+
+    A new run's ``--tokenizer auto`` follows the corpus and the run's length
+    (:mod:`octlm.training.recipe`); what it chose, and why, is appended to ``said``.
 
     ``resume`` is the folder of a run to continue: its stored configuration is the file, and
     only the flags given to resume it change it. A ``preset`` or ``file`` given with it (the
@@ -341,6 +347,11 @@ def resolve(
         model_values = _imported_model(run_config.init_from, preset, given)
         run_config = imported_tokenizer(run_config, model_values["vocab_size"], run_values)
     model_values.setdefault("max_length", run_config.length)
+    if run_config.tokenizer == AUTO:  # a resumed run's own is stored; an imported one, given
+        tokenizer, why = recipe.tokenizer_for(run_config)
+        run_config = dataclasses.replace(run_config, tokenizer=tokenizer)
+        if said is not None:
+            said.append(f"--tokenizer {tokenizer} (auto: {why})")
     if run_config.tokenizer == "bpe":
         model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
     if run_config.context_parallel:

@@ -1,0 +1,80 @@
+"""Where a training step's time goes: forward and loss, backward, and the optimizer step, eager
+and with the forward and loss compiled as ``octlm train --compile on`` compiles them.
+
+    .venv/bin/python benchmarks/step_parts.py [--preset tiny] [--vocab 4096] [--steps 30]
+        [--output FILE]
+
+One process; the default recipe's shapes (16 x 128 tokens, Muon, bfloat16 autocast where the
+CPU has bfloat16 units). Each part is timed on its own with ``time.perf_counter`` over
+``--steps`` steps after five warm-up steps (the compilation among them); the record gives each
+part's median milliseconds, eager and compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from octlm import records
+from octlm.model import ModelConfig, OctLM
+from octlm.training.config import DTYPES, PRESETS
+from octlm.training.loop import _summed_loss
+from octlm.training.optim import make_optimizer
+from octlm.training.precision import resolve_dtype
+
+BATCH, LENGTH = 16, 128
+
+
+def parts(model: OctLM, loss, optimizer, tokens, dtype, steps: int) -> dict[str, float]:
+    """Median milliseconds of each part of a step over ``steps`` steps, after 5 untimed."""
+    times = {"forward and loss": [], "backward": [], "optimizer": []}
+    for index in range(5 + steps):
+        began = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            value = loss(model, tokens[:, :-1], tokens[:, 1:], None)
+        forward = time.perf_counter()
+        value.backward()
+        backward = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = time.perf_counter()
+        if index >= 5:
+            times["forward and loss"].append(forward - began)
+            times["backward"].append(backward - forward)
+            times["optimizer"].append(done - backward)
+    return {name: 1000 * statistics.median(seconds) for name, seconds in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--output", type=Path, default=Path("runs/checks/step_parts.jsonl"))
+    args = parser.parse_args()
+    dtype = DTYPES[resolve_dtype("auto", torch.device("cpu"))]
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (BATCH, LENGTH + 1), generator=generator)  # (B, T+1)
+    record = records.make("check", "step-parts", preset=args.preset, vocab=args.vocab)
+    record |= {"dtype": str(dtype).removeprefix("torch."), "batch": BATCH, "length": LENGTH}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        config = ModelConfig(vocab_size=args.vocab, max_length=LENGTH, **PRESETS[args.preset])
+        model = OctLM(config)
+        optimizer = make_optimizer(
+            model, 3e-3, 0.1, optimizer="muon", muon_lr=6e-3, precision=dtype
+        )
+        loss = torch.compile(_summed_loss) if mode == "compiled" else _summed_loss
+        record[mode] = parts(model, loss, optimizer, tokens, dtype, args.steps)
+        print(mode, {name: round(ms, 1) for name, ms in record[mode].items()}, flush=True)
+    print(json.dumps(record))
+    records.append(args.output, record)
+
+
+if __name__ == "__main__":
+    main()
