@@ -66,7 +66,7 @@ reference: $(VENV)/.installed
 	$(PY) -m octlm bench documents --output runs/bench-documents-cpu.jsonl
 	$(PY) -m octlm report --output runs/report.md runs/*.jsonl
 
-# llama.cpp's own checks of the GGUF exports (tests/test_gguf.py), which `make test` skips
+# llama.cpp's own checks of the GGUF exports (tests/integrations/test_gguf.py), which `make test` skips
 # without it: llama-cpp-python, which pip builds from llama.cpp's source (a C++ compiler and
 # CMake; several minutes on 2 cores). Then `make test` runs them.
 llama-cpp: $(VENV)/.installed

@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 "$PYTHON" -c 'import torch, triton; assert torch.cuda.is_available(), "torch sees no CUDA GPU"
 print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' || exit 1
 status=0
-"$PYTHON" -m pytest -q -ra --durations=10 tests/test_triton.py 2>&1 | tee "$OUT/gpu-tests.log" ||
+"$PYTHON" -m pytest -q -ra --durations=10 tests/attention/test_triton.py 2>&1 | tee "$OUT/gpu-tests.log" ||
     status=1
 "$PYTHON" -m octlm bench cuda --output "$OUT/bench-cuda.jsonl" "$@" 2>&1 |
     tee "$OUT/gpu-bench.log" || status=1

@@ -25,7 +25,7 @@ def _one_intra_op_thread() -> None:
     """The tests in this process run on one intra-op thread, whatever the machine's cores.
     pytest-xdist already runs more workers than cores, so a second thread per worker only
     spins and contends for the interpreter lock; results do not depend on the machine; and
-    tests/test_threads.py sets two threads where they are the point. Processes that the
+    tests/attention/test_threads.py sets two threads where they are the point. Processes that the
     tests start keep torch's default."""
     torch.set_num_threads(1)
 

@@ -2,7 +2,7 @@
 
 :class:`Call` lists the keywords every implementation takes, with their defaults (docs/design.md,
 'Tensor conventions'); each public function writes them out in its ``def`` line, in this order with
-these defaults (tests/test_signatures.py holds them to it), and hands its arguments to
+these defaults (tests/attention/test_signatures.py holds them to it), and hands its arguments to
 :func:`call_of`. :func:`check` validates a call, so a bad one fails with a
 ``ValueError``/``TypeError`` that names the argument, what it got and what was expected, before any
 kernel runs.

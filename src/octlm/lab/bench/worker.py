@@ -64,7 +64,7 @@ SDPA = {
 }
 # What torch says when the one allowed SDPA backend cannot take the call.
 NO_KERNEL = ("No available kernel", "No viable backend")
-# Test hook, for tests/test_bench.py only: OCTLM_BENCH_FAULT="kill:naive,sleep:tiled" makes
+# Test hook, for tests/lab/test_bench.py only: OCTLM_BENCH_FAULT="kill:naive,sleep:tiled" makes
 # every measurement of a named backend ("peak" for the matmul probe) fail that way (kill,
 # sleep, raise or oom); a worker about to fail first appends its pid to the file named by
 # OCTLM_BENCH_FAULT_READY, so a test can wait for that moment instead of guessing it.

@@ -23,7 +23,7 @@ from octlm import load_run
 from octlm.training import checkpoint
 from tests.training_helpers import read_metrics
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run-d72e769"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "run-d72e769"
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from octlm import load_run
 from octlm.training import data, train
-from tests.test_training_bpe import configs, write_corpus
+from tests.training.test_bpe import configs, write_corpus
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "held_out_bits.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "held_out_bits.py"
 spec = importlib.util.spec_from_file_location("held_out_bits", SCRIPT)
 held_out_bits = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(held_out_bits)

@@ -70,7 +70,7 @@ def test_the_structure_suite_covers_every_feature_and_structural_rule_in_both_mo
 
 
 def test_every_suite_the_makefile_names_exists():
-    named = re.findall(r"octlm bench (\S+)", (Path(__file__).parents[1] / "Makefile").read_text())
+    named = re.findall(r"octlm bench (\S+)", (Path(__file__).parents[2] / "Makefile").read_text())
     assert named and set(named) <= {*SUITES, *PROGRAMS, *ALIASES}
 
 
@@ -84,7 +84,7 @@ def test_a_program_suite_writes_to_runs_local_unless_told(name):
 
 def test_the_reference_target_names_the_committed_file_of_every_suite_it_runs():
     """`make reference` writes runs/*.jsonl only because each of its lines says so."""
-    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
     target = makefile.split("\nreference:")[1].split("\n\n")[0].replace("\\\n", " ")
     runs = [line for line in target.splitlines() if re.search(r"octlm( bench|\.lab\.bench)", line)]
     assert len(runs) == target.count("$(PY) -m octlm") - 2  # all but verify and report

@@ -7,7 +7,7 @@ import signal
 import subprocess
 
 from octlm import load_run
-from tests.test_run_folder_lock import training_past_its_first_step
+from tests.training.test_run_folder_lock import training_past_its_first_step
 from tests.training_helpers import losses, write_corpus
 
 

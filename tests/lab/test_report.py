@@ -31,8 +31,8 @@ from octlm.lab.report.format import BUSY_MARK
 
 # Synthetic records of the baseline, train and structure suites
 # (tests/fixtures/make_bench_records.py).
-FIXTURE = Path(__file__).parent / "fixtures" / "bench-records.jsonl"
-RUNS = Path(__file__).parent.parent / "runs"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "bench-records.jsonl"
+RUNS = Path(__file__).parents[2] / "runs"
 PNG = b"\x89PNG\r\n\x1a\n"
 MACHINE = {"torch": "2.13.0+cpu", "device": "cpu", "threads": 2, "host_cpu": "Test CPU", "cpus": 2}
 

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "import_cycles.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "import_cycles.py"
 
 
 def run(source: Path) -> subprocess.CompletedProcess:

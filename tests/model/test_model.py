@@ -479,7 +479,7 @@ def test_a_call_that_fails_part_way_leaves_a_windowed_cache_as_it_was(chunk):
 COMPILED = """
 import torch, torch.nn.functional as F
 from dataclasses import replace
-from tests.test_model import SMALL, logits_and_grads, same_weights, tokens_for
+from tests.model.test_model import SMALL, logits_and_grads, same_weights, tokens_for
 torch.set_num_threads(1)
 for attention in ("naive", "sdpa", "tiled"):
     config = replace(SMALL, n_kv_heads=2, attention=attention)
@@ -499,8 +499,9 @@ def test_a_compiled_model_gives_the_eager_logits_and_gradients():
     """torch.compile traces the model; tiled's block loop (Python over tile bounds) is a graph
     break, run eagerly, also on one thread, where tracing it would crash dynamo. The "eager"
     backend keeps the test fast: the tracing is what is checked. In a process of its own:
-    dynamo imports Triton, which tests/test_triton.py must import first, for its interpreter."""
-    root = Path(__file__).parent.parent
+    dynamo imports Triton, which tests/attention/test_triton.py must import first, for its
+    interpreter."""
+    root = Path(__file__).parents[2]
     done = subprocess.run(
         [sys.executable, "-c", COMPILED], cwd=root, capture_output=True, text=True, timeout=600
     )
@@ -624,7 +625,7 @@ def test_training_is_reproducible_and_the_same_for_every_implementation():
 def test_a_model_file_of_the_first_format_still_loads():
     """tests/fixtures/model-format-1.pt was saved by octlm before training checkpoints had
     their own checksum: its flat checksum still matches, and it holds the seed-0 model."""
-    path = Path(__file__).parent / "fixtures" / "model-format-1.pt"
+    path = Path(__file__).parents[1] / "fixtures" / "model-format-1.pt"
     loaded = OctLM.load(path)
     torch.manual_seed(0)
     made = OctLM(ModelConfig(width=16, n_layers=1, n_heads=2, max_length=32, attention="sdpa"))

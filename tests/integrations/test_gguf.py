@@ -331,7 +331,7 @@ def test_llama_cpp_gives_octlm_s_tokens_and_logits(tmp_path, tokenizer, tied):
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
 def test_greedy_tokens_agree_with_llama_cpp_for_the_model_s_whole_context(tmp_path, tokenizer):
     """Prompt and continuation fill ``max_length``: octlm's cached decoding (octlm sample's,
-    tests/test_sample_context.py) and llama.cpp's argmax agree at every position."""
+    tests/training/test_sample_context.py) and llama.cpp's argmax agree at every position."""
     pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
     run, model, bpe = write_run(tmp_path, tokenizer, tied=True)
     export(run, tmp_path / "model.gguf")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from octlm import ModelConfig
 from tests.transformers_folders import make_run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- snippet: (\w+)(?: (.*?))? -->")
 KINDS = ("given", "needs", "skip", "xfail")

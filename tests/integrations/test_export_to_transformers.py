@@ -40,7 +40,7 @@ from tests.transformers_folders import (  # noqa: E402
 CONFIG = ModelConfig(vocab_size=256, width=32, n_layers=2, n_heads=4, n_kv_heads=2, max_length=64)
 WINDOWS = {"llama": 0, "mistral": 8}
 LENGTH = 40
-SOURCE = Path(__file__).parents[1] / "src"
+SOURCE = Path(__file__).parents[2] / "src"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from octlm import records
-from tests.test_bench import alive, children
+from tests.lab.test_bench import alive, children
 
 DEADLINE = 180  # seconds for a process to reach the point where it is stopped
 

@@ -19,7 +19,7 @@ from octlm.model import ModelConfig, OctLM
 from octlm.training import compiled, config
 from tests.training_helpers import losses, tiny_flags, write_corpus
 
-SOURCES = str(Path(__file__).resolve().parents[1] / "src")
+SOURCES = str(Path(__file__).resolve().parents[2] / "src")
 
 
 @pytest.mark.parametrize("attention", ["auto", "sdpa"])

@@ -42,7 +42,7 @@ def _interpret(on: bool) -> None:
 if not CUDA and sys.modules.get("triton") is not None and _PREVIOUS != "1":
     pytest.skip(
         "Triton was imported for a GPU before this module could switch its CPU interpreter on; "
-        "run `pytest tests/test_triton.py` on its own, or set TRITON_INTERPRET=1",
+        "run `pytest tests/attention/test_triton.py` on its own, or set TRITON_INTERPRET=1",
         allow_module_level=True,
     )
 _interpret(not CUDA)

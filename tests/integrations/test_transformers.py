@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from octlm.attention import IMPLEMENTATIONS, attention_mask, tiled_attention  # noqa: E402
 
 # transformers.masking_utils (and so the integration) imports torch._dynamo, which imports
-# Triton: done at collection, that would come before tests/test_triton.py can switch Triton's
-# CPU interpreter on, so these modules are imported only while the tests run.
+# Triton: done at collection, that would come before tests/attention/test_triton.py can switch
+# Triton's CPU interpreter on, so these modules are imported only while the tests run.
 NAMES = ("octlm", "octlm_naive", "octlm_sdpa", "octlm_tiled", "octlm_auto")
 WINDOW = 16
 LENGTH = 64  # tokens per row: four windows, four tiles

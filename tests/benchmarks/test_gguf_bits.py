@@ -15,12 +15,12 @@ import pytest
 from octlm.cli import main
 from octlm.training import train
 from octlm.training.config import resolve
-from tests.test_gguf import WITHOUT_LLAMA_CPP
+from tests.integrations.test_gguf import WITHOUT_LLAMA_CPP
 from tests.training_helpers import TINY_MODEL, TINY_RUN
 
 gguf = pytest.importorskip("gguf")
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # gguf_bits imports held_out_bits, its neighbour
 spec = importlib.util.spec_from_file_location("gguf_bits", BENCHMARKS / "gguf_bits.py")
 gguf_bits = importlib.util.module_from_spec(spec)

@@ -18,12 +18,12 @@ from octlm.attention.inputs import Call
 
 CALL = {field.name: field for field in fields(Call)}
 KEYWORDS = [field.name for field in fields(Call) if field.kw_only]
-TRITON = Path(__file__).resolve().parents[1] / "src/octlm/attention/tiled/triton_flash.py"
+TRITON = Path(__file__).resolve().parents[2] / "src/octlm/attention/tiled/triton_flash.py"
 
 
 def _triton_parameters() -> list[tuple[str, str, object, bool]]:
     """triton_attention's parameters from its source (importing it needs Triton, and Triton
-    must not be imported before tests/test_triton.py sets its interpreter up)."""
+    must not be imported before tests/attention/test_triton.py sets its interpreter up)."""
     tree = ast.parse(TRITON.read_text())
     found = next(
         node

@@ -12,7 +12,7 @@ import pytest
 
 from octlm.training import resolve, train
 from tests.helpers import once_per_session, trained_on_ranks
-from tests.test_training_bpe import MODEL, RUN, VOCAB, records, write_corpus
+from tests.training.test_bpe import MODEL, RUN, VOCAB, records, write_corpus
 
 pytestmark = pytest.mark.distributed
 

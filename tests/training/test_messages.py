@@ -50,7 +50,7 @@ def test_resume_removes_the_temporary_file_of_a_killed_checkpoint_write(corpus, 
     child = subprocess.run(
         [sys.executable, "-c", KILLED_MID_WRITE, str(corpus), str(folder)],
         capture_output=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()
     left = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
