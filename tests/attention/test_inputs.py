@@ -1,4 +1,5 @@
-"""Bad input fails early with an error that names the argument, in every implementation."""
+"""Bad input fails early with an error that names the argument, in every implementation; only
+query, key and value go by position, and a positional option names the keyword it was meant for."""
 
 from __future__ import annotations
 
@@ -252,3 +253,18 @@ def test_unknown_keywords_are_named(name):
         function(query, key, value, causl=True, blok=4)
     with pytest.raises(TypeError, match="missing a required argument: 'value'"):
         function(query, key)
+
+
+@pytest.mark.parametrize(
+    "function, option, meant",
+    [(tiled_attention, 64, "block=64"), (naive_attention, False, "causal=False")],
+)
+def test_a_positional_option_names_its_keyword_and_the_keyword_call(function, option, meant):
+    query, key, value = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    with pytest.raises(TypeError) as raised:
+        function(query, key, value, option)
+    message = str(raised.value)
+    name = function.__name__
+    assert f"{meant.split('=')[0]} and every other argument are keyword-only" in message
+    assert f"{name}(query, key, value, {meant})" in message
+    assert "4 positional arguments" in message

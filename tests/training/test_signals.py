@@ -1,5 +1,5 @@
 """SIGINT and SIGTERM during octlm train: a checkpoint after the step, or no run at all while it
-prepares.
+prepares; a closed terminal or ssh session (SIGHUP) stops a run as SIGTERM does.
 
 Runs use a model of a few thousand parameters on a few kilobytes of generated text
 (tests/training_helpers.py), so each takes about a second.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -19,7 +20,8 @@ from octlm.cli import main
 from octlm.training import checkpoint, config, loop, train
 from octlm.training import corpus as corpus_module
 from octlm.training.metrics import METRICS
-from tests.training_helpers import configs, losses, tiny_flags
+from tests.training.test_run_folder_lock import training_past_its_first_step
+from tests.training_helpers import configs, losses, tiny_flags, write_corpus
 
 
 @pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
@@ -79,3 +81,18 @@ def test_a_signal_during_the_last_step_ends_nothing_early(corpus, tmp_path, monk
     outcome = train(*configs(corpus, steps=1), tmp_path / "run", progress=False)
     assert outcome.stopped_by is None and outcome.step == 1
     assert checkpoint.latest(tmp_path / "run") is not None
+
+
+def test_sighup_writes_a_checkpoint_and_exits_129(tmp_path):
+    corpus, folder = write_corpus(tmp_path / "corpus"), tmp_path / "run"
+    process = training_past_its_first_step(corpus, folder, stdout=subprocess.PIPE)
+    try:
+        process.send_signal(signal.SIGHUP)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGHUP, err.decode()[-2000:]
+    assert b"stopped by SIGHUP after step" in out
+    _model, _tokenizer, step = load_run(folder)
+    assert 1 <= step < 1_000_000
+    assert max(losses(folder)) == step
