@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounter
 
 from octlm.cli import build_parser
 from octlm.model import ModelConfig, OctLM
@@ -29,6 +28,8 @@ def test_a_training_step_is_one_graph_and_compiles_once(attention, dtype):
     config = ModelConfig(vocab_size=64, width=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          max_length=32, attention=attention)  # fmt: skip
     model = OctLM(config)
+    from torch._dynamo.testing import CompileCounter  # loads Triton: not before its tests
+
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=False)
     generator = torch.Generator().manual_seed(0)

@@ -30,10 +30,10 @@ from tests.training_helpers import (
 )
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_resumed_run_repeats_the_uninterrupted_losses_exactly(corpus, tmp_path, pack):
+@pytest.mark.parametrize(("pack", "compile"), [(False, "off"), (True, "off"), (False, "on")])
+def test_resumed_run_repeats_the_uninterrupted_losses_exactly(corpus, tmp_path, pack, compile):
     corpus = write_short_documents(tmp_path / "short") if pack else corpus
-    model_config, run = configs(corpus, pack=pack)
+    model_config, run = configs(corpus, pack=pack, compile=compile)
     model_config = replace(model_config, dropout=0.1)  # dropout's RNG must resume too
     train(model_config, run, tmp_path / "whole", progress=False)
     train(model_config, run, tmp_path / "cut", progress=False)

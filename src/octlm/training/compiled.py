@@ -67,9 +67,14 @@ class CompiledLoss:
     uncompiled. A compilation that fails (no working compiler, an operation inductor lacks)
     is said in one line and the run goes on eagerly."""
 
-    def __init__(self, loss: Callable, on: bool):
+    def __init__(self, loss: Callable, on: bool, device: torch.device):
         self.eager = loss
         self.compiled = torch.compile(loss) if on else None
+        if on and device.type == "cpu":
+            # Inductor's CPU kernels add a scatter's rows (the embedding's gradient) with
+            # atomics unless deterministic algorithms are asked for: a run would not repeat
+            # itself, nor resume bit for bit.
+            torch.use_deterministic_algorithms(True, warn_only=True)
 
     def __call__(self, *args):
         if self.compiled is None:

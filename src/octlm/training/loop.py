@@ -414,7 +414,7 @@ class Training:
         compiling = self.run.compile == "on"
         if compiling and self.cluster.world > 1:  # DDP, FSDP: dynamo splits at their buckets
             self.model, compiling = torch.compile(self.model), False
-        self.loss = CompiledLoss(_summed_loss, on=compiling)
+        self.loss = CompiledLoss(_summed_loss, on=compiling, device=self.cluster.device)
 
     def step(self, batch: data.Batch) -> tuple[Tensor, Tensor, float]:
         """One optimizer step on this rank's part of the global ``batch`` (B, T), then the
