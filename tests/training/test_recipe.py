@@ -28,8 +28,19 @@ def test_a_small_corpus_read_many_times_gets_bytes_and_says_why(small):
     said = []
     model, run = resolve(run={"data": str(small)}, said=said)
     assert (run.tokenizer, model.vocab_size) == ("bytes", 256)
+    assert (run.batch, run.length, model.max_length) == (8, 256, 256)  # as many tokens a step
     # 1,000 steps x 16 x 128 tokens x 3.3 bytes / 44,460 bytes
-    assert said == ["--tokenizer bytes (auto: BPE would read 44.5kB 152 times)"]
+    said_rows = "; rows of 8 x 256 bytes"
+    assert said == [f"--tokenizer bytes (auto: BPE would read 44.5kB 152 times{said_rows})"]
+
+
+def test_rows_given_stay_as_given(small):
+    _model, run = resolve(run={"data": str(small), "length": 64})
+    assert (run.tokenizer, run.batch, run.length) == ("bytes", 16, 64)
+    _model, run = resolve(run={"data": str(small), "batch": 4})
+    assert (run.tokenizer, run.batch, run.length) == ("bytes", 4, 128)
+    _model, run = resolve(run={"data": str(small), "tokenizer": "bytes"})
+    assert (run.batch, run.length) == (16, 128)  # bytes asked for: the defaults' rows
 
 
 def test_a_corpus_read_a_few_times_keeps_bpe(small):

@@ -346,12 +346,15 @@ def resolve(
     if run_config.init_from is not None and resume is None:
         model_values = _imported_model(run_config.init_from, preset, given)
         run_config = imported_tokenizer(run_config, model_values["vocab_size"], run_values)
-    model_values.setdefault("max_length", run_config.length)
     if run_config.tokenizer == AUTO:  # a resumed run's own is stored; an imported one, given
         tokenizer, why = recipe.tokenizer_for(run_config)
         run_config = dataclasses.replace(run_config, tokenizer=tokenizer)
+        if tokenizer == "bytes" and not {"length", "batch"} & run_values.keys():
+            run_config = dataclasses.replace(run_config, **recipe.BYTE_ROWS)
+            why += f"; rows of {run_config.batch} x {run_config.length} bytes"
         if said is not None:
             said.append(f"--tokenizer {tokenizer} (auto: {why})")
+    model_values.setdefault("max_length", run_config.length)
     if run_config.tokenizer == "bpe":
         model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
     if run_config.context_parallel:

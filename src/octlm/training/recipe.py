@@ -9,8 +9,9 @@ A run trains on ``steps x batch x length`` tokens, or with a ``--time-budget`` o
 two cores of an AVX-512 CPU, docs/training.md 'A recipe that fits the corpus'). ``auto`` is
 ``bpe`` where a BPE run reads its text at most :data:`BPE_PASSES` times and ``bytes`` beyond:
 a small corpus read over and over is overfitted first through the BPE's rare tokens, and a
-byte model sees a third as much text per step. A token folder of ``octlm prepare`` keeps its
-own tokenizer.
+byte model sees a third as much text per step. Where ``auto`` takes bytes and neither
+``--length`` nor ``--batch`` is given, the rows are :data:`BYTE_ROWS`: as many tokens a step,
+twice the context. A token folder of ``octlm prepare`` keeps its own tokenizer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from octlm.training import data, prepare
 TOKENS_PER_SECOND = 30_000
 BPE_BYTES_PER_TOKEN = 3.3
 BPE_PASSES = 4.0
+# The rows of a byte run that sets neither --length nor --batch: the default tokens a step,
+# in rows long enough to hold about as much text as a BPE row of 128 tokens.
+BYTE_ROWS = {"length": 256, "batch": 8}
 
 
 def training_bytes(run) -> tuple[int, str | None]:
