@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -78,3 +80,11 @@ def tiny_flags(corpus: Path, folder: Path, steps: int) -> list[str]:
         "--eval-batches", "1", "--sample-tokens", "4", "--dtype", "float32",
         "--tokenizer", "bytes", "--optimizer", "adamw",
     ]  # fmt: skip
+
+
+def octlm(*arguments, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m octlm ARGUMENTS`` in a process of its own, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "octlm", *map(str, arguments)],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip

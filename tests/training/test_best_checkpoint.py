@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import torch
 
 from octlm import load_run
 from octlm.training import checkpoint, loop, train
 from octlm.training.metrics import best_of, risen
-from tests.training_helpers import configs, losses, read_metrics, tiny_flags
+from tests.training_helpers import configs, losses, octlm, read_metrics, tiny_flags
 
 RISING = dict(steps=40, eval_every=2, checkpoint_every=5, keep=1, lr=0.3, warmup=0)
 RISING |= dict(min_lr_ratio=0.9)
@@ -31,15 +29,6 @@ def rising_flags(corpus, folder, steps=40) -> list[str]:
     flags[flags.index("--eval-every") + 1] = "2"
     flags[flags.index("--checkpoint-every") + 1] = "5"
     return [*flags, "--keep", "1", "--lr", "0.3", "--warmup", "0", "--min-lr-ratio", "0.9"]
-
-
-def octlm(*arguments) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "octlm", *map(str, arguments)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def kept_steps(folder) -> list[int]:

@@ -13,15 +13,13 @@ picture and lock left out), from 12 documents of ``tests/training_helpers.write_
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from octlm import load_run
 from octlm.training import checkpoint
-from tests.training_helpers import read_metrics
+from tests.training_helpers import octlm, read_metrics
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "run-d72e769"
 
@@ -29,15 +27,6 @@ FIXTURE = Path(__file__).parents[1] / "fixtures" / "run-d72e769"
 @pytest.fixture
 def old_run(tmp_path) -> Path:
     return Path(shutil.copytree(FIXTURE, tmp_path / "run"))
-
-
-def octlm(*arguments) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "octlm", *map(str, arguments)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_it_samples_and_exports_its_last_checkpoint_saying_why(old_run, tmp_path):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import pytest
 from octlm.progress import Progress
 from octlm.training import data, prepare
 from octlm.training.config import RunConfig
+from tests.training_helpers import octlm
 
 RECORDS = [f"Story {i}: the fox and the hound went to the river {i} and swam." for i in range(400)]
 
@@ -24,12 +23,6 @@ def write_jsonl_gz(path: Path, records=RECORDS) -> Path:
         gzip.compress("".join(json.dumps({"text": r}) + "\n" for r in records).encode())
     )
     return path
-
-
-def octlm(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "octlm", *args], cwd=cwd, capture_output=True, text=True
-    )
 
 
 def folder_state(folder: Path) -> dict[str, tuple[int, bytes]]:
