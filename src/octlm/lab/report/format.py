@@ -21,9 +21,9 @@ COMMANDS = {
 }
 BUSY_MARK = "†"
 BUSY_NOTE = (
-    f"{BUSY_MARK} measured while the machine was busy (the process got under three quarters of "
-    "its threads' CPU time; for records without CPU times, the load average was above the CPU "
-    "count): treat it with care."
+    f"{BUSY_MARK} measured while the machine was busy (other processes used more than a quarter "
+    "of a CPU while it was timed; for older records, the process got under three quarters of "
+    "its threads' CPU time, or the load average was above the CPU count): treat it with care."
 )
 
 
