@@ -2,7 +2,7 @@
 and with the forward and loss compiled as ``octlm train --compile on`` compiles them.
 
     .venv/bin/python benchmarks/step_parts.py [--preset tiny] [--vocab 4096] [--steps 30]
-        [--output FILE]
+        [--dtype auto|float32|bfloat16] [--output FILE]
 
 One process; the default recipe's shapes (16 x 128 tokens, Muon, bfloat16 autocast where the
 CPU has bfloat16 units), large freed blocks kept as ``octlm train`` keeps them on a CPU. Each
@@ -57,10 +57,11 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--output", type=Path, default=Path("runs/checks/step_parts.jsonl"))
     args = parser.parse_args()
     keep_freed_memory()
-    dtype = DTYPES[resolve_dtype("auto", torch.device("cpu"))]
+    dtype = DTYPES[resolve_dtype(args.dtype, torch.device("cpu"))]
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (BATCH, LENGTH + 1), generator=generator)  # (B, T+1)
     record = records.make("check", "step-parts", preset=args.preset, vocab=args.vocab)
