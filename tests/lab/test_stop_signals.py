@@ -47,7 +47,15 @@ def stop(process: subprocess.Popen, signum: int) -> str:
 
 
 def has_records(path: Path):
-    return lambda: path.exists() and path.stat().st_size > 0
+    return lambda: size(path) > 0
+
+
+def size(path: Path) -> int:
+    """``path``'s size, 0 where it is not there (a writer may replace it as it is looked at)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def assert_stopped_cleanly(process, stderr: str, signum: int, tmp_path: Path) -> None:
@@ -63,7 +71,7 @@ def test_verify_stops_with_its_finished_records(tmp_path):
     signum = signal.SIGHUP
     out = tmp_path / "runs"
     process = start(["-m", "octlm", "verify", "--quick", "--out", str(out)], tmp_path)
-    wait_for(process, lambda: any(p.stat().st_size for p in out.glob("*.jsonl")), "a record")
+    wait_for(process, lambda: any(size(p) for p in out.glob("*.jsonl")), "a record")
     stderr = stop(process, signum)
     assert_stopped_cleanly(process, stderr, signum, tmp_path)
     assert f"finished records are in {out}" in stderr
