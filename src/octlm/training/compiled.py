@@ -56,7 +56,7 @@ def compiles_here(run, device: torch.device) -> tuple[bool, str]:
         return True, f"auto: {device.type}"
     if not compiler_found():
         return False, "auto: no C++ compiler for inductor on PATH"
-    budget = run.budget_seconds if run.time_budget is not None else None
+    budget = run.budget_seconds
     if (budget is None and run.steps < LONG_STEPS) or (budget is not None and budget < LONG_BUDGET):
         return False, "auto: a short run, which compiling would not repay"
     return True, "auto: a long run on a CPU with a C++ compiler"
