@@ -27,13 +27,15 @@ TEXTS = [
 
 def peaked(model: OctLM, seed: int = 0) -> OctLM:
     """``model`` with matrices of standard deviation 0.2: logits far apart, so that greedy
-    decoding is decided by margins much larger than rounding."""
+    decoding is decided by margins much larger than rounding; and norm gains drawn from
+    [0.5, 1.5], so that an export that swaps or drops one is seen."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 2:
-                fresh = torch.randn(parameter.shape, generator=generator) * 0.2
-                parameter.copy_(fresh)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+            else:
+                parameter.copy_(0.5 + torch.rand(parameter.shape, generator=generator))
     return model.eval()
 
 

@@ -38,10 +38,10 @@ OUTTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_
 
 class Exported(NamedTuple):
     """What :func:`export` wrote: the folder (or GGUF file), the class transformers builds
-    from it (or ``"GGUF llama"``), the checkpoint's step (None for a model file), the
-    tokenizer (``"bytes"``, ``"bpe"`` or None), how the checkpoint was chosen (in words; None
-    for a model file), and the matrices written in float16 because a quantized type cannot
-    hold their rows (llama.cpp's names)."""
+    from it (or ``"GGUF llama"``, ``"GGUF qwen3"``), the checkpoint's step (None for a model
+    file), the tokenizer (``"bytes"``, ``"bpe"`` or None), how the checkpoint was chosen (in
+    words; None for a model file), and the matrices written in float16 because a quantized type
+    cannot hold their rows (llama.cpp's names)."""
 
     folder: Path
     architecture: str
@@ -103,13 +103,14 @@ def export(
         dtype = dtype or "float32"
         path = export_gguf(model, out, tokenizer=tokenizer, dtype=dtype)
         fallbacks = gguf_format.fallbacks(model.config, model.state_dict(), dtype)
-        return Exported(path, "GGUF llama", step, kind, how, tuple(fallbacks))
+        architecture = f"GGUF {gguf_format.architecture(model.config)}"
+        return Exported(path, architecture, step, kind, how, tuple(fallbacks))
     from octlm.integrations import llama_format
 
     if dtype is not None:
         model = model.to(DTYPES[dtype])
     folder = export_model(model, out, tokenizer=tokenizer)
-    architecture = llama_format.FAMILY["mistral" if model.config.window else "llama"]
+    architecture = llama_format.FAMILY[llama_format.model_type(model.config)]
     return Exported(folder, architecture, step, kind, how)
 
 
@@ -127,7 +128,8 @@ def check_out(out: str | os.PathLike) -> None:
 def export_model(
     model: OctLM, out: str | os.PathLike, *, tokenizer: str | os.PathLike | None = BYTES
 ) -> Path:
-    """Write ``model`` to the new folder ``out`` as transformers' Llama (Mistral with a window),
+    """Write ``model`` to the new folder ``out`` as transformers' Llama (Mistral with a window,
+    Qwen3 with QK-norm),
     weights in their dtype, with ``tokenizer``: ``"bytes"``, the path of a BPE
     ``tokenizer.json``, or None for no tokenizer files. Returns ``out``."""
     from octlm.integrations import llama_format, tokenizer_files

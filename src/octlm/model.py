@@ -53,7 +53,9 @@ class ModelConfig:
     embedding matrix (else the model has its own ``head``, as imported Llama models may);
     ``mlp_width`` defaults to 8/3 of ``width`` (the parameters of a 4x MLP) rounded up to 8,
     resolved on construction (so ``replace(config, width=w)`` keeps it unless given
-    ``mlp_width=None`` too); ``norm_eps`` is every RMSNorm's epsilon.
+    ``mlp_width=None`` too); ``norm_eps`` is every RMSNorm's epsilon. ``qk_norm`` puts an
+    RMSNorm (a gain per head dimension, shared by the heads) over each head's queries and keys
+    before RoPE, as Qwen3 does: the scores stay bounded whatever the projections grow to.
     """
 
     vocab_size: int = 256
@@ -71,6 +73,7 @@ class ModelConfig:
     tied_head: bool = True
     mlp_width: int | None = None
     norm_eps: float = 1e-6
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -110,8 +113,9 @@ class ModelConfig:
             )
         if not isinstance(self.rope_base, int | float) or not self.rope_base > 0:
             raise ValueError(f"rope_base must be a positive number, got {self.rope_base!r}")
-        if not isinstance(self.tied_head, bool):
-            raise ValueError(f"tied_head must be true or false, got {self.tied_head!r}")
+        for name in ("tied_head", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         eps = self.norm_eps
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
             raise ValueError(f"norm_eps must be a positive finite number, got {eps!r}")
@@ -287,6 +291,9 @@ class Attention(nn.Module):
             config.width, (config.n_heads + 2 * config.n_kv_heads) * config.head_size, bias=False
         )
         self.output = nn.Linear(config.width, config.width, bias=False)
+        if config.qk_norm:
+            self.query_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
+            self.key_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
         self.dropout = nn.Dropout(config.dropout)
         impl = implementation(config.attention)
         tuning = {name: getattr(config, name) for name in impl.tuning if hasattr(config, name)}
@@ -317,7 +324,8 @@ class Attention(nn.Module):
         return self.dropout(self.output(attended))
 
     def _project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Query, key and value in heads-first layout, RoPE applied to query and key."""
+        """Query, key and value in heads-first layout, RoPE applied to query and key (after
+        their norms, with ``qk_norm``)."""
         batch, length, _ = x.shape
         heads, kv_heads, head_size = (
             self.config.n_heads,
@@ -329,6 +337,8 @@ class Attention(nn.Module):
         query = query.view(batch, length, heads, head_size).transpose(1, 2)  # (B, H, T, D)
         key = key.view(batch, length, kv_heads, head_size).transpose(1, 2)  # (B, Hkv, T, D)
         value = value.view(batch, length, kv_heads, head_size).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.config.qk_norm:
+            query, key = self.query_norm(query), self.key_norm(key)
         return apply_rope(query, *rope), apply_rope(key, *rope), value
 
 
@@ -437,7 +447,7 @@ class OctLM(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, **changes) -> OctLM:
         """The model of a local transformers folder of the Llama family (``LlamaForCausalLM``,
-        ``MistralForCausalLM``), in the dtype of its weights.
+        ``MistralForCausalLM``, ``Qwen3ForCausalLM``), in the dtype of its weights.
 
         ``changes`` may set how it runs (``attention``, ``block``, ``kernel``, ``dropout``).
         What octlm cannot compute exactly (biases, another activation or head size, RoPE

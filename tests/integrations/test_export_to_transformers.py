@@ -38,7 +38,14 @@ from tests.transformers_folders import (  # noqa: E402
 )
 
 CONFIG = ModelConfig(vocab_size=256, width=32, n_layers=2, n_heads=4, n_kv_heads=2, max_length=64)
-WINDOWS = {"llama": 0, "mistral": 8}
+# The architecture an export is, by the fields of octlm's model that choose it.
+ARCHITECTURES = {
+    "llama": {},
+    "mistral": {"window": 8},
+    "qwen3": {"qk_norm": True},
+    "qwen3-window": {"qk_norm": True, "window": 8},
+}
+CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 LENGTH = 40
 SOURCE = Path(__file__).parents[2] / "src"
 
@@ -58,12 +65,12 @@ def reference_logits(model: OctLM, ids: torch.Tensor) -> torch.Tensor:
 def exported_run(root: Path, architecture: str) -> tuple[Path, dict, Path]:
     """A byte run (two checkpoints) of ``architecture``, exported at its latest checkpoint:
     (run folder, its models by step, the exported folder)."""
-    models = make_run(root / "run", replace(CONFIG, window=WINDOWS[architecture]))
+    models = make_run(root / "run", replace(CONFIG, **ARCHITECTURES[architecture]))
     export(root / "run", root / "out")
     return root / "run", models, root / "out"
 
 
-@pytest.fixture(scope="module", params=list(WINDOWS))
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def exported(request, tmp_path_factory):
     """:func:`exported_run` of the architecture ``request.param``."""
     return exported_run(tmp_path_factory.mktemp(request.param), request.param)
@@ -75,8 +82,9 @@ def test_logits_equal_octlm_to_the_precision_of_transformers_rope(exported, attn
     _run, models, out = exported
     model = models[4]
     theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation=attn, dtype=dtype)
-    expected = "MistralForCausalLM" if model.config.window else "LlamaForCausalLM"
+    expected = "Qwen3ForCausalLM" if model.config.qk_norm else CLASSES[theirs.config.model_type]
     assert type(theirs).__name__ == expected
+    assert hasattr(theirs.model.layers[0].self_attn, "q_norm") == model.config.qk_norm
     assert getattr(theirs.config, "sliding_window", None) == (model.config.window or None)
     ids = token_ids(CONFIG.vocab_size)
     with torch.no_grad():
@@ -119,15 +127,14 @@ def test_an_earlier_step_exports_that_checkpoint(exported, tmp_path):
         export(run, tmp_path / "other", step=3)
 
 
-@pytest.mark.parametrize("architecture", list(WINDOWS))
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
 def test_bpe_run_exports_its_tokenizer_and_model(architecture, tmp_path):
     bpe = train_bpe(tmp_path / "tokenizer.json")
     from tokenizers import Tokenizer
 
     octlm_tokenizer = Tokenizer.from_file(str(bpe))  # its ids are octlm's, by the run's contract
-    config = replace(
-        CONFIG, vocab_size=octlm_tokenizer.get_vocab_size(), window=WINDOWS[architecture]
-    )
+    vocab_size = octlm_tokenizer.get_vocab_size()
+    config = replace(CONFIG, vocab_size=vocab_size, **ARCHITECTURES[architecture])
     models = make_run(tmp_path / "run", config, tokenizer=bpe)
     export(tmp_path / "run", tmp_path / "out")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
@@ -215,16 +222,16 @@ for folder, output in zip(pairs[::2], pairs[1::2]):
 def read_without_octlm(tmp_path_factory) -> dict:
     """By architecture: the models of its export by step, and the ids, logits and greedy tokens
     that a process which cannot import octlm reads from the exported folder. One process reads
-    both architectures, since its imports of torch and transformers cost seconds."""
+    every architecture, since its imports of torch and transformers cost seconds."""
     root = tmp_path_factory.mktemp("blocked")
-    runs = {name: exported_run(root / name, name) for name in WINDOWS}
+    runs = {name: exported_run(root / name, name) for name in ARCHITECTURES}
     pairs = [str(part) for name, run in runs.items() for part in (run[2], root / f"{name}.pt")]
     environment = {**os.environ, "PYTHONPATH": str(SOURCE)}  # octlm is findable, and blocked
     subprocess.run([sys.executable, "-c", BLOCKED, TEXTS[1], *pairs], check=True, env=environment)
     return {name: (run[1], torch.load(root / f"{name}.pt")) for name, run in runs.items()}
 
 
-@pytest.mark.parametrize("architecture", list(WINDOWS))
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
 def test_the_folder_loads_where_octlm_cannot_be_imported(read_without_octlm, architecture):
     models, got = read_without_octlm[architecture]
     text = TEXTS[1]

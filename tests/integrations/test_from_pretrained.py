@@ -18,7 +18,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from octlm import ModelConfig, OctLM  # noqa: E402
 from octlm.export import export_model  # noqa: E402
@@ -33,6 +39,10 @@ CONFIGS = {
     "llama-tied": lambda: LlamaConfig(**SIZES, tie_word_embeddings=True, rope_theta=500.0),
     "llama-untied": lambda: LlamaConfig(**SIZES, tie_word_embeddings=False),
     "mistral-window": lambda: MistralConfig(**SIZES, sliding_window=12),
+    "qwen3-tied": lambda: Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=True),
+    "qwen3-window": lambda: Qwen3Config(
+        **SIZES, head_dim=16, use_sliding_window=True, sliding_window=12, max_window_layers=0
+    ),
 }
 LENGTH = 40
 
@@ -41,9 +51,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def folder(request, tmp_path_factory):
-    """A saved transformers model (float64 weights) of the kind ``request.param``."""
+    """A saved transformers model (float64 weights) of the kind ``request.param``, its norm
+    gains drawn from [0.5, 1.5] so that a gain read into the wrong place is seen."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[request.param]()).to(torch.float64)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.uniform_(0.5, 1.5)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return path
@@ -63,6 +78,7 @@ def test_the_config_is_the_folders(folder):
     assert config.rope_base == theirs["rope_parameters"]["rope_theta"]
     assert config.tied_head == theirs["tie_word_embeddings"]
     assert config.window == (theirs.get("sliding_window") or 0)
+    assert config.qk_norm == (theirs["model_type"] == "qwen3")
     assert config.max_length == theirs["max_position_embeddings"]
 
 
@@ -127,7 +143,11 @@ def edited(source, target, **changes):
     """A copy of the folder ``source`` whose config.json has ``changes`` (None: key removed)."""
     target.mkdir()
     config = json.loads((source / "config.json").read_text())
-    config |= changes
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
     (target / "config.json").write_text(json.dumps(config))
     (target / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
     return target
@@ -158,6 +178,40 @@ REFUSED = [
 @pytest.mark.parametrize("changes, message", REFUSED)
 def test_what_octlm_cannot_compute_is_refused_by_name(llama_folder, tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
+        OctLM.from_pretrained(edited(llama_folder, tmp_path / "edited", **changes))
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    AutoModelForCausalLM.from_config(CONFIGS["qwen3-tied"]()).save_pretrained(path)
+    return path
+
+
+MIXED = ["full_attention", "sliding_attention"]
+QWEN3_REFUSED = [
+    (
+        {"use_sliding_window": True, "sliding_window": 12, "layer_types": MIXED},
+        r"layer_types \['full_attention', 'sliding_attention'\]: octlm's window slides on every",
+    ),
+    (
+        {"use_sliding_window": True, "max_window_layers": 1, "layer_types": None},
+        r"layer_types \['full_attention', 'sliding_attention'\]",
+    ),
+    ({"head_dim": None}, r"head_dim=128, but octlm's head size is hidden_size // num_att"),
+    ({"attention_bias": True}, r"attention_bias=True, but octlm computes only"),
+]
+
+
+@pytest.mark.parametrize("changes, message", QWEN3_REFUSED)
+def test_what_octlm_cannot_compute_of_qwen3_is_refused(qwen3_folder, tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        OctLM.from_pretrained(edited(qwen3_folder, tmp_path / "edited", **changes))
+
+
+def test_a_llama_folder_called_qwen3_lacks_the_qk_norms(llama_folder, tmp_path):
+    changes = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ValueError, match=r"missing model.layers.0.self_attn.k_norm.weight"):
         OctLM.from_pretrained(edited(llama_folder, tmp_path / "edited", **changes))
 
 

@@ -1,8 +1,9 @@
 """octlm export to GGUF: the file read back with gguf's own reader holds every tensor of the
-model (q and k rows put back from llama.cpp's interleaved RoPE order by index) and every key
-llama.cpp reads; where llama-cpp-python is installed, llama.cpp itself gives octlm's tokens,
-logits and greedy continuations for byte and BPE runs, tied and untied, and stops at the end
-of text and nowhere else. A windowed model and a model without a tokenizer are refused.
+model (for llama, q and k rows put back from llama.cpp's interleaved RoPE order by index; for
+qwen3, with QK-norm, as they are) and every key llama.cpp reads; where llama-cpp-python is
+installed, llama.cpp itself gives octlm's tokens, logits and greedy continuations for byte and
+BPE runs, tied and untied, llama and qwen3, and stops at the end of text and nowhere else. A
+windowed model and a model without a tokenizer are refused.
 
 Tiny models with random peaked weights, written as run folders by hand; nothing is downloaded.
 """
@@ -33,6 +34,9 @@ from tests.transformers_folders import TEXTS, make_run, peaked, rope_tolerance  
 CONFIG = ModelConfig(vocab_size=256, width=32, n_layers=2, n_heads=4, n_kv_heads=2, max_length=64)
 BPE_VOCAB = 300
 KINDS = [(tokenizer, tied) for tokenizer in ("bytes", "bpe") for tied in (True, False)]
+# llama.cpp's architecture -> the model fields that make octlm's model one
+ARCHITECTURES = {"llama": {}, "qwen3": {"qk_norm": True}}
+CASES = [(*kind, "llama") for kind in KINDS] + [("bytes", True, "qwen3"), ("bpe", False, "qwen3")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,27 +79,30 @@ def rotate_half_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return back
 
 
-@pytest.mark.parametrize("tokenizer, tied", KINDS)
-def test_the_file_holds_every_tensor_and_key(tmp_path, tokenizer, tied):
-    run, model, bpe = write_run(tmp_path, tokenizer, tied)
+@pytest.mark.parametrize("tokenizer, tied, architecture", CASES)
+def test_the_file_holds_every_tensor_and_key(tmp_path, tokenizer, tied, architecture):
+    config = replace(CONFIG, **ARCHITECTURES[architecture])
+    run, model, bpe = write_run(tmp_path, tokenizer, tied, config)
     exported = export(run, tmp_path / "model.gguf")
     assert exported.folder == tmp_path / "model.gguf" and exported.step == 4
+    assert exported.architecture == f"GGUF {architecture}"
     reader = gguf.GGUFReader(tmp_path / "model.gguf")
     config, state = model.config, model.state_dict()
     values = fields(reader)
+    arch = architecture
     expected = {
-        "general.architecture": "llama",
+        "general.architecture": arch,
         "general.file_type": int(gguf.LlamaFileType.ALL_F32),
-        "llama.vocab_size": config.vocab_size,
-        "llama.context_length": config.max_length,
-        "llama.embedding_length": config.width,
-        "llama.block_count": config.n_layers,
-        "llama.feed_forward_length": config.mlp_width,
-        "llama.attention.head_count": config.n_heads,
-        "llama.attention.head_count_kv": config.n_kv_heads,
-        "llama.attention.key_length": config.head_size,
-        "llama.attention.value_length": config.head_size,
-        "llama.rope.dimension_count": config.head_size,
+        f"{arch}.vocab_size": config.vocab_size,
+        f"{arch}.context_length": config.max_length,
+        f"{arch}.embedding_length": config.width,
+        f"{arch}.block_count": config.n_layers,
+        f"{arch}.feed_forward_length": config.mlp_width,
+        f"{arch}.attention.head_count": config.n_heads,
+        f"{arch}.attention.head_count_kv": config.n_kv_heads,
+        f"{arch}.attention.key_length": config.head_size,
+        f"{arch}.attention.value_length": config.head_size,
+        f"{arch}.rope.dimension_count": config.head_size,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.add_bos_token": False,
@@ -103,8 +110,8 @@ def test_the_file_holds_every_tensor_and_key(tmp_path, tokenizer, tied):
     }
     for key, value in expected.items():
         assert values[key] == value, key
-    assert values["llama.rope.freq_base"] == pytest.approx(config.rope_base, rel=1e-7)
-    assert values["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(config.norm_eps)
+    assert values[f"{arch}.rope.freq_base"] == pytest.approx(config.rope_base, rel=1e-7)
+    assert values[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(config.norm_eps)
     tokens, types = values["tokenizer.ggml.tokens"], values["tokenizer.ggml.token_type"]
     if bpe is None:
         assert tokens == byte_symbols()
@@ -146,6 +153,10 @@ def test_the_file_holds_every_tensor_and_key(tmp_path, tokenizer, tied):
         ours[f"blk.{layer}.attn_v.weight"] = v
         ours[f"blk.{layer}.attn_q.weight"] = q
         ours[f"blk.{layer}.attn_k.weight"] = k
+        if config.qk_norm:  # qwen3 turns rotate-half pairs itself: rows as octlm's
+            ours[f"blk.{layer}.attn_q_norm.weight"] = state[block + "attention.query_norm.weight"]
+            ours[f"blk.{layer}.attn_k_norm.weight"] = state[block + "attention.key_norm.weight"]
+            continue
         tensors[f"blk.{layer}.attn_q.weight"] = rotate_half_rows(
             tensors[f"blk.{layer}.attn_q.weight"], config.n_heads
         )
@@ -252,11 +263,14 @@ def test_q8_0_is_refused_for_a_transformers_folder(tmp_path, capsys):
     )
 
 
-def test_a_windowed_model_is_refused_in_one_line(tmp_path, capsys):
-    run, _model, _bpe = write_run(tmp_path, "bytes", True, replace(CONFIG, window=8))
+@pytest.mark.parametrize("architecture, folder", [("llama", "Mistral"), ("qwen3", "Qwen3")])
+def test_a_windowed_model_is_refused_in_one_line(tmp_path, capsys, architecture, folder):
+    config = replace(CONFIG, window=8, **ARCHITECTURES[architecture])
+    run, _model, _bpe = write_run(tmp_path, "bytes", True, config)
     assert main(["export", str(run), str(tmp_path / "model.gguf")]) == 2
     error = capsys.readouterr().err
     assert "window=8" in error and "no sliding window" in error and error.count("\n") == 1
+    assert f"llama.cpp's {architecture} architecture" in error and f"({folder})" in error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -305,10 +319,11 @@ def greedy_ids(llm, prompt: list[int], count: int) -> list[int]:
     return drawn
 
 
-@pytest.mark.parametrize("tokenizer, tied", KINDS)
-def test_llama_cpp_gives_octlm_s_tokens_and_logits(tmp_path, tokenizer, tied):
+@pytest.mark.parametrize("tokenizer, tied, architecture", CASES)
+def test_llama_cpp_gives_octlm_s_tokens_and_logits(tmp_path, tokenizer, tied, architecture):
     pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
-    run, model, bpe = write_run(tmp_path, tokenizer, tied)
+    config = replace(CONFIG, **ARCHITECTURES[architecture])
+    run, model, bpe = write_run(tmp_path, tokenizer, tied, config)
     export(run, tmp_path / "model.gguf")
     llm = llama(tmp_path / "model.gguf", CONFIG.max_length)
     encode = (lambda data: list(data)) if bpe is None else bpe.encode
@@ -328,12 +343,15 @@ def test_llama_cpp_gives_octlm_s_tokens_and_logits(tmp_path, tokenizer, tied):
     assert greedy_ids(llm, prompt, 40) == ours
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
-def test_greedy_tokens_agree_with_llama_cpp_for_the_model_s_whole_context(tmp_path, tokenizer):
+@pytest.mark.parametrize("tokenizer, architecture", [("bytes", "llama"), ("bpe", "qwen3")])
+def test_greedy_tokens_agree_with_llama_cpp_for_the_model_s_whole_context(
+    tmp_path, tokenizer, architecture
+):
     """Prompt and continuation fill ``max_length``: octlm's cached decoding (octlm sample's,
     tests/training/test_sample_context.py) and llama.cpp's argmax agree at every position."""
     pytest.importorskip("llama_cpp", reason=WITHOUT_LLAMA_CPP)
-    run, model, bpe = write_run(tmp_path, tokenizer, tied=True)
+    config = replace(CONFIG, **ARCHITECTURES[architecture])
+    run, model, bpe = write_run(tmp_path, tokenizer, True, config)
     export(run, tmp_path / "model.gguf")
     llm = llama(tmp_path / "model.gguf", CONFIG.max_length)
     prompt = bpe.encode(b"def f(x):") if bpe else list(b"def f(x):")

@@ -1,4 +1,5 @@
-"""ModelConfig's untied head, MLP width and norm epsilon: what each changes in the model, that
+"""ModelConfig's untied head, MLP width, norm epsilon and QK-norm: what each changes in the model,
+that
 a derived default compares equal to its explicit value, that bad values are refused by name,
 that the train flags set them, and that runs and checkpoints that predate them still load."""
 
@@ -16,7 +17,7 @@ from octlm.training import checkpoint
 from octlm.training.config import RunConfig, add_arguments, check_resumable, explicit_values
 
 CONFIG = ModelConfig(vocab_size=64, width=48, n_layers=2, n_heads=4, max_length=32)
-NEW_FIELDS = ("tied_head", "mlp_width", "norm_eps")
+NEW_FIELDS = ("tied_head", "mlp_width", "norm_eps", "qk_norm")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,10 +62,38 @@ def test_norm_eps_is_every_rmsnorms_epsilon():
         assert torch.allclose(norm(x), expected, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_makes_scores_blind_to_the_size_of_a_head_s_queries_and_keys(qk_norm):
+    """With QK-norm each head's queries and keys are normalised before RoPE, so scaling the
+    projection rows of one query head and one key head changes no logit (to float64 rounding,
+    with an epsilon too small to matter); without it, the same scaling changes the model."""
+    config = replace(CONFIG, qk_norm=qk_norm, norm_eps=1e-30, n_kv_heads=2)
+    model = OctLM(config).double().eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:  # gains away from 1, so that each is seen to act
+                parameter.uniform_(0.5, 1.5)
+        before = model(tokens())
+        size = config.head_size
+        qkv = model.blocks[0].attention.qkv.weight  # rows: H query heads, Hkv key, Hkv value
+        qkv[size : 2 * size] *= 7.0  # query head 1
+        keys = config.n_heads * size
+        qkv[keys : keys + size] *= 0.2  # key head 0
+        after = model(tokens())
+    if qk_norm:
+        assert torch.allclose(after, before, rtol=1e-12, atol=1e-12)
+        norms = model.blocks[0].attention.query_norm, model.blocks[0].attention.key_norm
+        assert [tuple(norm.weight.shape) for norm in norms] == [(size,), (size,)]
+    else:
+        assert (after - before).abs().max() > 1e-3
+        assert not hasattr(model.blocks[0].attention, "query_norm")
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
         ({"tied_head": "false"}, r"tied_head must be true or false, got 'false'"),
+        ({"qk_norm": 1}, r"qk_norm must be true or false, got 1"),
         ({"mlp_width": 0}, r"mlp_width must be a positive int or None, got 0"),
         ({"mlp_width": 2.5}, r"mlp_width must be a positive int or None, got 2.5"),
         ({"norm_eps": 0}, r"norm_eps must be a positive finite number, got 0"),
@@ -80,9 +109,9 @@ def test_bad_values_are_refused_by_name(changes, message):
 def test_train_flags_set_the_new_fields():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--no-tied-head", "--mlp-width", "64", "--norm-eps", "1e-5"])
-    model, _run = explicit_values(args)
-    assert model == {"tied_head": False, "mlp_width": 64, "norm_eps": 1e-5}
+    flags = ["--no-tied-head", "--mlp-width", "64", "--norm-eps", "1e-5", "--qk-norm"]
+    model, _run = explicit_values(parser.parse_args(flags))
+    assert model == {"tied_head": False, "mlp_width": 64, "norm_eps": 1e-5, "qk_norm": True}
     assert explicit_values(parser.parse_args(["--tied-head"]))[0] == {"tied_head": True}
 
 

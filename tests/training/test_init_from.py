@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
 
 from octlm import ModelConfig, OctLM  # noqa: E402
 from octlm.cli import main  # noqa: E402
@@ -40,9 +40,16 @@ RUN = dict(
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def save_llama(folder, **changes):
+def save_llama(folder, family=LlamaConfig, **changes):
+    """A transformers model of ``family`` (its config class) with ``SIZES``, saved to ``folder``;
+    its norm gains drawn from [0.5, 1.5], so that each is seen to be read."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**SIZES | changes)).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(family(**SIZES | changes))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
     return folder
 
 
@@ -58,7 +65,10 @@ def corpus(tmp_path):
     return path
 
 
-def test_the_first_loss_is_the_imported_models_loss_on_that_batch(llama, corpus, tmp_path):
+@pytest.mark.parametrize("family", [LlamaConfig, Qwen3Config])
+def test_the_first_loss_is_the_imported_models_loss_on_that_batch(family, corpus, tmp_path):
+    changes = {"head_dim": 8} if family is Qwen3Config else {}
+    llama = save_llama(tmp_path / "folder", family, **changes)
     model_config, run_config = resolve(run={**RUN, "data": str(corpus), "init_from": str(llama)})
     assert asdict(model_config) == asdict(ModelConfig(**read_config(llama)))
     train(model_config, run_config, tmp_path / "run", progress=False)

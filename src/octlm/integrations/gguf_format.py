@@ -2,7 +2,9 @@
 
 Written with the ``gguf`` package (the library llama.cpp ships for this) under llama.cpp's
 ``llama`` architecture, which computes what octlm computes: pre-norm RMSNorm, RoPE, grouped-query
-attention, SwiGLU, no biases. docs/llama_cpp.md has the whole path and the key table.
+attention, SwiGLU, no biases; a model with ``qk_norm`` under ``qwen3``, which adds the norms over
+each head's queries and keys (``attn_q_norm``, ``attn_k_norm``). docs/llama_cpp.md has the whole
+path and the key table.
 
 - Tensors: float32, or on request float16, bfloat16 or q8_0 (written by ``gguf``'s own
   quantizer). The 1-D norm weights stay float32, taken from the model's own weights bit for
@@ -12,7 +14,9 @@ attention, SwiGLU, no biases. docs/llama_cpp.md has the whole path and the key t
   embedding), an untied one does.
 - RoPE: octlm turns the pair ``(i, i + D/2)`` of each head (rotate-half); llama.cpp's llama
   turns ``(2i, 2i + 1)``. Each head's query and key rows are interleaved to match
-  (:func:`interleave`), which changes no score: a query and a key move the same way.
+  (:func:`interleave`), which changes no score: a query and a key move the same way. Its
+  qwen3 turns ``(i, i + D/2)`` as octlm does (NeoX order), so those rows go as they are: the
+  norms' gains act on the rows in octlm's order.
 - Tokenizer: a ``gpt2``-type vocabulary (byte-level symbols, merges, token types). A BPE run's
   comes from its ``tokenizer.json``, its end-of-text token a CONTROL token, the file's
   BOS and EOS. A byte run's is the 256 byte symbols and one merge that can never apply
@@ -24,8 +28,8 @@ attention, SwiGLU, no biases. docs/llama_cpp.md has the whole path and the key t
 - Adding BOS and EOS is off (octlm's models start a text on its first token), and the chat
   template passes each message's text through, so chat front ends continue the text itself.
 
-A model with a window is refused: llama.cpp's llama architecture has no sliding window and would
-attend to every key.
+A model with a window is refused: llama.cpp's llama and qwen3 architectures have no sliding
+window and would attend to every key.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ except ImportError as error:
 from octlm.integrations.llama_format import renamed
 from octlm.tokenizer import BYTE_VOCAB, END_OF_TEXT, byte_symbols
 
-ARCHITECTURE = "llama"
 PRE_TOKENIZER = "gpt-2"
 TYPES = {  # the type names export takes -> the matrices' GGML type
     "float32": gguf.GGMLQuantizationType.F32,
@@ -71,6 +74,10 @@ LAYER_TENSORS = {
     "mlp.up.weight": "ffn_up.weight",
     "mlp.down.weight": "ffn_down.weight",
 }
+QK_NORM_TENSORS = {
+    "attention.query_norm.weight": "attn_q_norm.weight",
+    "attention.key_norm.weight": "attn_k_norm.weight",
+}
 PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight")  # the rows of ``qkv``
 MODEL_TENSORS = {
     "embedding.weight": "token_embd.weight",
@@ -80,13 +87,19 @@ MODEL_TENSORS = {
 END_OF_BYTES = 0  # NUL: the EOS a byte model's file names, since it must name one
 
 
+def architecture(config) -> str:
+    """llama.cpp's architecture for ``config``'s model: qwen3 with QK-norm, else llama."""
+    return "qwen3" if config.qk_norm else "llama"
+
+
 def check_exportable(config) -> None:
-    """``ValueError`` in one line for a model llama.cpp's llama would compute otherwise."""
+    """``ValueError`` in one line for a model llama.cpp would compute otherwise."""
     if config.window:
+        folder = "Qwen3" if config.qk_norm else "Mistral"
         raise ValueError(
             f"a model with a window (window={config.window}) cannot go to GGUF: llama.cpp's "
-            "llama architecture has no sliding window and would attend to every key; export "
-            "it as a transformers folder (Mistral) instead"
+            f"{architecture(config)} architecture has no sliding window and would attend to "
+            f"every key; export it as a transformers folder ({folder}) instead"
         )
 
 
@@ -99,10 +112,11 @@ def interleave(rows: Tensor, heads: int) -> Tensor:
 
 
 def gguf_tensors(config, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``state`` under llama.cpp's names, on the CPU in its own dtype: ``qkv`` split, q and k
-    interleaved."""
-    tensors = renamed(config, state, MODEL_TENSORS, LAYER_TENSORS, PROJECTIONS, "blk.{}.")
-    for layer in range(config.n_layers):
+    """``state`` under llama.cpp's names, on the CPU in its own dtype: ``qkv`` split, and for
+    the llama architecture q and k interleaved."""
+    names = LAYER_TENSORS | (QK_NORM_TENSORS if config.qk_norm else {})
+    tensors = renamed(config, state, MODEL_TENSORS, names, PROJECTIONS, "blk.{}.")
+    for layer in range(config.n_layers if architecture(config) == "llama" else 0):
         for name, heads in zip(PROJECTIONS[:2], (config.n_heads, config.n_kv_heads), strict=True):
             tensors[f"blk.{layer}.{name}"] = interleave(tensors[f"blk.{layer}.{name}"], heads)
     return {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
@@ -181,7 +195,7 @@ def write(
             f"the tokenizer has {len(words['tokens'])} tokens and the model {config.vocab_size}"
         )
     end = END_OF_BYTES if words["end"] is None else words["end"]
-    writer = gguf.GGUFWriter(os.fspath(path), ARCHITECTURE)
+    writer = gguf.GGUFWriter(os.fspath(path), architecture(config))
     writer.add_name(name)
     writer.add_file_type(FILE_TYPES[dtype])
     writer.add_vocab_size(config.vocab_size)

@@ -1,14 +1,18 @@
-"""octlm's model as a transformers Llama or Mistral folder, and back: config fields and weights.
+"""octlm's model as a transformers Llama, Mistral or Qwen3 folder, and back: config fields and
+weights.
 
 octlm's model is the Llama architecture (pre-norm RMSNorm, rotate-half RoPE, grouped-query
 attention, SwiGLU, no biases), so the two map one to one; docs/transformers.md has the table.
-``SIZES``, ``LAYER_WEIGHTS``, ``PROJECTIONS`` and ``MODEL_WEIGHTS`` below are the mapping.
+``SIZES``, ``LAYER_WEIGHTS``, ``QK_NORMS``, ``PROJECTIONS`` and ``MODEL_WEIGHTS`` below are the
+mapping. A model with ``qk_norm`` is Qwen3's architecture: Llama's with an RMSNorm over each
+head's queries and keys before RoPE (``q_norm``, ``k_norm``).
 
 The fused ``qkv`` projection holds the query rows, then the key rows, then the value rows, each
 head's ``D`` rows in the rotate-half layout transformers uses (the pair ``(i, i + D/2)`` turns
 together), so the split needs no permutation. A window ``w`` lets a query see itself and the
 ``w - 1`` keys before it, which is what Mistral's ``sliding_window=w`` means; a model with a
-window is written as Mistral, one without as Llama.
+window is written as Mistral, one without as Llama; a model with ``qk_norm`` as Qwen3, its window
+(if any) on every layer.
 
 Reading refuses, naming the key or tensor, whatever octlm cannot compute exactly: another
 model type, biases, another activation, a head size other than ``hidden_size //
@@ -37,7 +41,13 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 WEIGHTS = "model.safetensors"
 # model_type -> the class transformers builds for it.
-FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+FAMILY = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# transformers' Qwen3 head size where config.json gives none (Qwen3Config's default).
+QWEN3_HEAD_DIM = 128
 # octlm name -> transformers name, in each layer (prefixes ``blocks.N.`` and ``model.layers.N.``)
 LAYER_WEIGHTS = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -46,6 +56,11 @@ LAYER_WEIGHTS = {
     "mlp.gate.weight": "mlp.gate_proj.weight",
     "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
+}
+# The norms of a model with qk_norm, in each layer as LAYER_WEIGHTS.
+QK_NORMS = {
+    "attention.query_norm.weight": "self_attn.q_norm.weight",
+    "attention.key_norm.weight": "self_attn.k_norm.weight",
 }
 # The rows of octlm's fused ``attention.qkv.weight``, in order.
 PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -85,9 +100,21 @@ def write(
     (folder / WEIGHTS).write_bytes(weights)
 
 
+def model_type(config) -> str:
+    """transformers' ``model_type`` for ``config``'s model: qwen3 with QK-norm, else mistral
+    with a window, else llama."""
+    return "qwen3" if config.qk_norm else "mistral" if config.window else "llama"
+
+
+def layer_weights(config) -> dict[str, str]:
+    """The octlm -> transformers names in each layer of ``config``'s model."""
+    return LAYER_WEIGHTS | (QK_NORMS if config.qk_norm else {})
+
+
 def llama_config(config, dtype: torch.dtype, end_token: int | None = None) -> dict:
-    """The ``config.json`` of ``config``'s model: Llama, or Mistral when it has a window."""
-    kind = "mistral" if config.window else "llama"
+    """The ``config.json`` of ``config``'s model: Llama, Mistral when it has a window, Qwen3
+    when it has QK-norm (a window then slides on every layer)."""
+    kind = model_type(config)
     values = {
         "architectures": [FAMILY[kind]],
         "model_type": kind,
@@ -107,6 +134,15 @@ def llama_config(config, dtype: torch.dtype, end_token: int | None = None) -> di
     }
     if kind == "mistral":
         return values | {"sliding_window": config.window}
+    if kind == "qwen3":
+        layer = "sliding_attention" if config.window else "full_attention"
+        return values | {
+            "attention_bias": False,
+            "use_sliding_window": bool(config.window),
+            "sliding_window": config.window or None,
+            "max_window_layers": 0,
+            "layer_types": [layer] * config.n_layers,
+        }
     return values | {"attention_bias": False, "mlp_bias": False}
 
 
@@ -131,7 +167,7 @@ def renamed(
 def llama_tensors(config, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` under transformers' names, ``qkv`` split into its three projections."""
     layer = "model.layers.{}."
-    tensors = renamed(config, state, MODEL_WEIGHTS, LAYER_WEIGHTS, PROJECTIONS, layer)
+    tensors = renamed(config, state, MODEL_WEIGHTS, layer_weights(config), PROJECTIONS, layer)
     # safetensors stores each tensor on its own: no views into a shared buffer
     return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
 
@@ -153,8 +189,9 @@ def read_weights(folder: str | os.PathLike, config) -> dict[str, Tensor]:
 
 
 def read_config(folder: str | os.PathLike) -> dict:
-    """The ``ModelConfig`` fields of a transformers folder's ``config.json`` of the Llama family;
-    ``ValueError`` naming a key whose value octlm cannot compute exactly."""
+    """The ``ModelConfig`` fields of a transformers folder's ``config.json`` of the Llama family
+    (Llama, Mistral, Qwen3); ``ValueError`` naming a key whose value octlm cannot compute
+    exactly."""
     path = Path(folder) / CONFIG
     if not Path(folder).exists():
         raise ValueError(
@@ -197,7 +234,7 @@ def read_config(folder: str | os.PathLike) -> dict:
     kv_heads = config.get("num_key_value_heads")
     values["n_kv_heads"] = heads if kv_heads is None else kv_heads
     width = config["hidden_size"]
-    head_dim = config.get("head_dim")
+    head_dim = config.get("head_dim", QWEN3_HEAD_DIM if kind == "qwen3" else None)
     if head_dim is not None and head_dim * heads != width:
         raise ValueError(
             f"{where} head_dim={head_dim!r}, but octlm's head size is hidden_size // "
@@ -206,9 +243,29 @@ def read_config(folder: str | os.PathLike) -> dict:
     values["rope_base"] = _rope_theta(config, where)
     values["norm_eps"] = config.get("rms_norm_eps", 1e-6)
     values["tied_head"] = config.get("tie_word_embeddings", False)
-    window = config.get("sliding_window") if kind == "mistral" else None
+    values["qk_norm"] = kind == "qwen3"
+    window = config.get("sliding_window") if kind == "mistral" else _qwen3_window(config, where)
     values["window"] = 0 if window is None else window
     return values
+
+
+def _qwen3_window(config: dict, where: str) -> int | None:
+    """The window of a Qwen3 ``config`` (None for a Llama's or a Qwen3 without one);
+    ValueError where only some layers slide, which octlm's one window cannot say."""
+    if config.get("model_type") != "qwen3" or not config.get("use_sliding_window", False):
+        return None
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types")
+    if kinds is None:  # transformers' rule: layers from max_window_layers on slide
+        first = config.get("max_window_layers", 28)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if set(kinds) == {"full_attention"}:
+        return None
+    if set(kinds) != {"sliding_attention"}:
+        raise ValueError(
+            f"{where} layer_types {kinds!r}: octlm's window slides on every layer or on none"
+        )
+    return config.get("sliding_window")
 
 
 def _rope_theta(config: dict, where: str) -> float:
@@ -259,7 +316,7 @@ def octlm_state(config, tensors: dict[str, Tensor], where: str) -> dict[str, Ten
     state = {ours: tensors[theirs] for ours, theirs in MODEL_WEIGHTS.items() if theirs in tensors}
     for layer in range(config.n_layers):
         ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
-        for name, their_name in LAYER_WEIGHTS.items():
+        for name, their_name in layer_weights(config).items():
             state[ours + name] = tensors[theirs + their_name]
         projections = [tensors[theirs + name] for name in PROJECTIONS]
         state[ours + "attention.qkv.weight"] = torch.cat(projections)  # ((H + 2 Hkv) D, C)
@@ -284,6 +341,9 @@ def _llama_shapes(config) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (mlp, width),
         "mlp.down_proj.weight": (width, mlp),
     }
+    if config.qk_norm:
+        size = (config.head_size,)
+        layer_shapes |= {"self_attn.q_norm.weight": size, "self_attn.k_norm.weight": size}
     for layer in range(config.n_layers):
         shapes |= {f"model.layers.{layer}.{name}": shape for name, shape in layer_shapes.items()}
     return shapes

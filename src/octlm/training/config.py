@@ -167,8 +167,8 @@ class RunConfig:
     context_parallel: bool = _switch("split each sequence across ranks with ring attention")
     init_from: str | None = _option(
         None,
-        "a transformers folder (Llama, Mistral) whose config, weights and tokenizer start the "
-        "run (fine-tuning); the model flags may set only how it runs (--attention, --block, "
+        "a transformers folder (Llama, Mistral, Qwen3) whose config, weights and tokenizer start "
+        "the run (fine-tuning); the model flags may set only how it runs (--attention, --block, "
         "--kernel, --dropout)",
     )
 
@@ -625,6 +625,7 @@ MODEL_HELP = {
     "tied_head": "the output head shares the embedding matrix",
     "mlp_width": "SwiGLU's hidden width (default 8/3 x width, rounded up to a multiple of 8)",
     "norm_eps": "RMSNorm's epsilon",
+    "qk_norm": "RMSNorm over each head's queries and keys before RoPE (exports as Qwen3)",
 }
 
 
