@@ -16,7 +16,14 @@ from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
 from octlm.training import checkpoint, optim, train
 from octlm.training.config import RunConfig, resolve
-from octlm.training.optim import Muon, lr_factor, make_optimizer, make_scheduler, orthogonalise
+from octlm.training.optim import (
+    Muon,
+    lr_factor,
+    make_optimizer,
+    make_scheduler,
+    orthogonalise,
+    orthogonalise_all,
+)
 from tests.training_helpers import configs, losses, read_metrics, write_corpus
 
 MODEL = ModelConfig(width=32, n_layers=2, n_heads=2, n_kv_heads=1, max_length=16)
@@ -95,6 +102,24 @@ def test_orthogonalise_keeps_the_singular_vectors_and_evens_the_singular_values(
     rounding = torch.finfo(precision).eps * max(shape)
     assert (spectrum - torch.diag(diagonal)).abs().max() < max(1e-4, rounding)
     assert diagonal.min() > 0.5 and diagonal.max() < 1.5
+
+
+def test_matrices_orthogonalised_together_are_each_orthogonalised_alone():
+    """Stacking the matrices of one shape (a tall one with its wide transpose among them)
+    changes nothing but rounding: float64 results agree with one matrix at a time, each result
+    keeps its own matrix's shape and dtype, and a tall matrix is no wide one's transpose."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(48, 20), (20, 48), (48, 20), (32, 32), (20, 48), (7, 5)]
+    updates = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    updates.append(torch.zeros(20, 48, dtype=torch.float64))  # no update: stays zero, no NaN
+    coefficients = (3.4445, -4.775, 2.0315)
+    together = orthogonalise_all(updates, coefficients, 5, 1e-7, torch.float64)
+    for update, result in zip(updates, together, strict=True):
+        alone = orthogonalise(update, coefficients, 5, 1e-7, torch.float64)
+        assert result.shape == update.shape and result.dtype == update.dtype
+        assert torch.allclose(result, alone, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(together[0], together[1].T, atol=1e-3)  # other matrices, shapes
+    assert torch.equal(together[-1], torch.zeros(20, 48, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
