@@ -349,9 +349,10 @@ def resolve(
     if run_config.tokenizer == AUTO:  # a resumed run's own is stored; an imported one, given
         tokenizer, why = recipe.tokenizer_for(run_config)
         run_config = dataclasses.replace(run_config, tokenizer=tokenizer)
-        if tokenizer == "bytes" and not {"length", "batch"} & run_values.keys():
-            run_config = dataclasses.replace(run_config, **recipe.BYTE_ROWS)
-            why += f"; rows of {run_config.batch} x {run_config.length} bytes"
+        if tokenizer == "bytes":
+            fitted, words = recipe.byte_run(run_config, run_values)
+            run_config = dataclasses.replace(run_config, **fitted)
+            why += words
         if said is not None:
             said.append(f"--tokenizer {tokenizer} (auto: {why})")
     model_values.setdefault("max_length", run_config.length)
