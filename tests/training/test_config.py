@@ -153,3 +153,15 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor():
     assert factors[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
     assert factors[4] == 1.0 and factors[-1] == pytest.approx(0.1)
     assert all(a > b for a, b in itertools.pairwise(factors[4:]))
+
+
+def test_a_run_stored_before_the_schedule_defaults_changed_keeps_its_schedule(tmp_path):
+    """A config.json without ``muon_lr`` or ``min_lr_ratio`` was written when they defaulted
+    to 6e-3 and 0.1: a resume takes those, not today's defaults; a new run takes today's."""
+    model, run = resolve(model=TINY_MODEL, run={"tokenizer": "bytes"})
+    assert (run.muon_lr, run.min_lr_ratio) == (0.012, 0.0)
+    stored = config.to_dict(model, run)
+    del stored["run"]["muon_lr"], stored["run"]["min_lr_ratio"]
+    (tmp_path / config.CONFIG_FILE).write_text(json.dumps(stored))
+    _model, resumed = resolve(resume=tmp_path)
+    assert (resumed.muon_lr, resumed.min_lr_ratio) == (6e-3, 0.1)

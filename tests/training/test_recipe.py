@@ -1,6 +1,5 @@
 """The recipe that fits the corpus: --tokenizer auto follows how many times a BPE run would
-read its training text, a byte run it chooses gets its rows and schedule where they are not
-given, a token folder keeps its own tokenizer, and a tokenizer given stays."""
+read its training text, a token folder keeps its own, and a tokenizer given stays."""
 
 from __future__ import annotations
 
@@ -30,10 +29,9 @@ def test_a_small_corpus_read_many_times_gets_bytes_and_says_why(small):
     model, run = resolve(run={"data": str(small)}, said=said)
     assert (run.tokenizer, model.vocab_size) == ("bytes", 256)
     assert (run.batch, run.length, model.max_length) == (8, 256, 256)  # as many tokens a step
-    assert (run.muon_lr, run.min_lr_ratio) == (0.012, 0.0)
     # 1,000 steps x 16 x 128 tokens x 3.3 bytes / 44,460 bytes
-    fitted = "; rows of 8 x 256 bytes; --muon-lr 0.012; --min-lr-ratio 0"
-    assert said == [f"--tokenizer bytes (auto: BPE would read 44.5kB 152 times{fitted})"]
+    said_rows = "; rows of 8 x 256 bytes"
+    assert said == [f"--tokenizer bytes (auto: BPE would read 44.5kB 152 times{said_rows})"]
 
 
 def test_rows_given_stay_as_given(small):
@@ -41,23 +39,8 @@ def test_rows_given_stay_as_given(small):
     assert (run.tokenizer, run.batch, run.length) == ("bytes", 16, 64)
     _model, run = resolve(run={"data": str(small), "batch": 4})
     assert (run.tokenizer, run.batch, run.length) == ("bytes", 4, 128)
-    assert (run.muon_lr, run.min_lr_ratio) == (0.012, 0.0)  # the schedule, not given, is fitted
     _model, run = resolve(run={"data": str(small), "tokenizer": "bytes"})
     assert (run.batch, run.length) == (16, 128)  # bytes asked for: the defaults' rows
-    assert (run.muon_lr, run.min_lr_ratio) == (0.006, 0.1)  # and the defaults' schedule
-
-
-def test_a_schedule_given_stays_and_adamw_keeps_the_defaults(small):
-    said = []
-    _model, run = resolve(run={"data": str(small), "muon_lr": 0.02}, said=said)
-    assert (run.muon_lr, run.min_lr_ratio) == (0.02, 0.0)
-    assert said[0].endswith("; rows of 8 x 256 bytes; --min-lr-ratio 0)")
-    _model, run = resolve(run={"data": str(small), "min_lr_ratio": 0.3})
-    assert (run.muon_lr, run.min_lr_ratio) == (0.012, 0.3)
-    said = []
-    _model, run = resolve(run={"data": str(small), "optimizer": "adamw"}, said=said)
-    assert (run.tokenizer, run.batch, run.min_lr_ratio) == ("bytes", 8, 0.1)
-    assert said[0].endswith("; rows of 8 x 256 bytes)")
 
 
 def test_a_corpus_read_a_few_times_keeps_bpe(small):

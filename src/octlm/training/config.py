@@ -46,7 +46,13 @@ DEFAULT_STEPS = 1000
 # checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
 # dropout: ``INTERCHANGEABLE``) may change with it.
 # What a field meant in a config.json written before the field was stored: the default then.
-PREDATED = {"dtype": "float32", "tokenizer": "bytes", "optimizer": "adamw"}
+PREDATED = {
+    "dtype": "float32",
+    "tokenizer": "bytes",
+    "optimizer": "adamw",
+    "muon_lr": 6e-3,
+    "min_lr_ratio": 0.1,
+}
 RESUMABLE = frozenset(
     {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "early_stop", "log_every", "prompt", "sample_tokens"}
@@ -124,8 +130,8 @@ class RunConfig:
         "torch.optim.Muon, 2.9 or later); or adamw for all",
     )
     lr: float = _option(3e-3, "peak learning rate (of the AdamW part with --optimizer muon)")
-    muon_lr: float = _option(6e-3, "peak learning rate of Muon's matrices (--optimizer muon)")
-    min_lr_ratio: float = _option(0.1, "learning rate at the end, as a share of the peak")
+    muon_lr: float = _option(0.012, "peak learning rate of Muon's matrices (--optimizer muon)")
+    min_lr_ratio: float = _option(0.0, "learning rate at the end, as a share of the peak")
     warmup: int = _option(50, "steps of linear warm-up before the cosine decay")
     weight_decay: float = _option(0.1, "weight decay of the matrices (AdamW and Muon)")
     clip: float = _option(1.0, "gradient norm clipping threshold (0: none)")
@@ -349,10 +355,9 @@ def resolve(
     if run_config.tokenizer == AUTO:  # a resumed run's own is stored; an imported one, given
         tokenizer, why = recipe.tokenizer_for(run_config)
         run_config = dataclasses.replace(run_config, tokenizer=tokenizer)
-        if tokenizer == "bytes":
-            fitted, words = recipe.byte_run(run_config, run_values)
-            run_config = dataclasses.replace(run_config, **fitted)
-            why += words
+        if tokenizer == "bytes" and not {"length", "batch"} & run_values.keys():
+            run_config = dataclasses.replace(run_config, **recipe.BYTE_ROWS)
+            why += f"; rows of {run_config.batch} x {run_config.length} bytes"
         if said is not None:
             said.append(f"--tokenizer {tokenizer} (auto: {why})")
     model_values.setdefault("max_length", run_config.length)

@@ -11,8 +11,7 @@ two cores of an AVX-512 CPU, docs/training.md 'A recipe that fits the corpus'). 
 a small corpus read over and over is overfitted first through the BPE's rare tokens, and a
 byte model sees a third as much text per step. Where ``auto`` takes bytes and neither
 ``--length`` nor ``--batch`` is given, the rows are :data:`BYTE_ROWS`: as many tokens a step,
-twice the context; a Muon run takes :data:`BYTE_SCHEDULE` where its fields are not given
-(:func:`byte_run`). A token folder of ``octlm prepare`` keeps its own tokenizer.
+twice the context. A token folder of ``octlm prepare`` keeps its own tokenizer.
 """
 
 from __future__ import annotations
@@ -26,10 +25,6 @@ BPE_PASSES = 4.0
 # The rows of a byte run that sets neither --length nor --batch: the default tokens a step,
 # in rows long enough to hold about as much text as a BPE row of 128 tokens.
 BYTE_ROWS = {"length": 256, "batch": 8}
-# The schedule of a Muon byte run: twice the default rate for the matrices, decaying to 0, which
-# kept better models of a small corpus read many times (docs/training.md, 'A recipe that fits
-# the corpus').
-BYTE_SCHEDULE = {"muon_lr": 0.012, "min_lr_ratio": 0.0}
 
 
 def training_bytes(run) -> tuple[int, str | None]:
@@ -60,19 +55,3 @@ def tokenizer_for(run) -> tuple[str, str]:
     if over > BPE_PASSES:
         return "bytes", f"BPE would read {scaled(size)}B {over:,.0f} times"
     return "bpe", f"BPE reads {scaled(size)}B {over:,.1f} times"
-
-
-def byte_run(run, given) -> tuple[dict, str]:
-    """The run fields ``auto``'s byte recipe sets in ``run``, none of them among the names
-    ``given``, and how the start line says so."""
-    values = {} if {"length", "batch"} & set(given) else dict(BYTE_ROWS)
-    if run.optimizer == "muon":
-        values |= {name: value for name, value in BYTE_SCHEDULE.items() if name not in given}
-    words = []
-    if "batch" in values:
-        words.append(f"rows of {values['batch']} x {values['length']} bytes")
-    if "muon_lr" in values:
-        words.append(f"--muon-lr {values['muon_lr']:g}")
-    if "min_lr_ratio" in values:
-        words.append(f"--min-lr-ratio {values['min_lr_ratio']:g}")
-    return values, "".join(f"; {word}" for word in words)
