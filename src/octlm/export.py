@@ -129,9 +129,8 @@ def export_model(
     model: OctLM, out: str | os.PathLike, *, tokenizer: str | os.PathLike | None = BYTES
 ) -> Path:
     """Write ``model`` to the new folder ``out`` as transformers' Llama (Mistral with a window,
-    Qwen3 with QK-norm),
-    weights in their dtype, with ``tokenizer``: ``"bytes"``, the path of a BPE
-    ``tokenizer.json``, or None for no tokenizer files. Returns ``out``."""
+    Qwen3 with QK-norm), weights in their dtype, with ``tokenizer``: ``"bytes"``, the path of a
+    BPE ``tokenizer.json``, or None for no tokenizer files. Returns ``out``."""
     from octlm.integrations import llama_format, tokenizer_files
 
     out = Path(out)

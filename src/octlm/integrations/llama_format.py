@@ -244,15 +244,19 @@ def read_config(folder: str | os.PathLike) -> dict:
     values["norm_eps"] = config.get("rms_norm_eps", 1e-6)
     values["tied_head"] = config.get("tie_word_embeddings", False)
     values["qk_norm"] = kind == "qwen3"
-    window = config.get("sliding_window") if kind == "mistral" else _qwen3_window(config, where)
+    window = None
+    if kind == "mistral":
+        window = config.get("sliding_window")
+    elif kind == "qwen3":
+        window = _qwen3_window(config, where)
     values["window"] = 0 if window is None else window
     return values
 
 
 def _qwen3_window(config: dict, where: str) -> int | None:
-    """The window of a Qwen3 ``config`` (None for a Llama's or a Qwen3 without one);
-    ValueError where only some layers slide, which octlm's one window cannot say."""
-    if config.get("model_type") != "qwen3" or not config.get("use_sliding_window", False):
+    """The window of a Qwen3 ``config`` (None without one); ValueError where only some layers
+    slide, which octlm's one window cannot say."""
+    if not config.get("use_sliding_window", False):
         return None
     layers = config["num_hidden_layers"]
     kinds = config.get("layer_types")
