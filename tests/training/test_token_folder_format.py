@@ -1,0 +1,38 @@
+"""Token folders keep their format: a corpus of every container, prepared now, gives the very
+files that ``octlm prepare`` of ea5e4b0 made of it (tests/fixtures/make_token_folders.py)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from octlm.cli import main
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "tokens-ea5e4b0"
+# What depends on where and when the corpus lies, not on what it holds.
+PLACED = {"source", "files"}
+
+
+@pytest.mark.parametrize(
+    "name, flags",
+    [("bytes", ["--tokenizer", "bytes"]), ("bpe", ["--tokenizer", "bpe", "--vocab-size", "300"])],
+)
+def test_a_corpus_prepares_into_the_files_of_ea5e4b0(tmp_path, name, flags):
+    corpus = shutil.copytree(FIXTURE / "corpus", tmp_path / "corpus")
+    out = tmp_path / name
+    assert (
+        main(["prepare", "--data", str(corpus), "--out", str(out), "--val-share", "0.2", *flags])
+        == 0
+    )
+    made = sorted(p.name for p in out.iterdir())
+    assert made == sorted(p.name for p in (FIXTURE / name).iterdir())
+    for file in made:
+        if file == "data.json":
+            now, then = (json.loads((f / file).read_text()) for f in (out, FIXTURE / name))
+            assert {k: v for k, v in now.items() if k not in PLACED} == {
+                k: v for k, v in then.items() if k not in PLACED
+            }
+            assert [f[:2] for f in now["files"]] == [f[:2] for f in then["files"]]
+        else:
+            assert (out / file).read_bytes() == (FIXTURE / name / file).read_bytes(), file
