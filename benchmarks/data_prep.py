@@ -12,7 +12,7 @@ record, Zipf-drawn made-up words of one to four syllables, some multi-byte) unde
 temporary folder, or ``--corpus``. One BPE of 4,096 tokens is learned from its first 10,000 records;
 then, in separate processes, the raw rate (read each line, ``json.loads``, ``encode_batch`` in
 batches of about 1 MB, ids dropped), the same with ``encode_batch_fast`` (no offsets, which
-octlm uses) and octlm's (``data.write_tokens``: the same reading, the
+octlm uses) and octlm's (``write_tokens``: the same reading, the
 split, encoding and the token files written). The record (appended to ``--output``, default
 ``runs/checks/data_prep.jsonl``) names the CPU and the load average before and after.
 """
@@ -78,12 +78,13 @@ def raw(corpus: Path, tokenizer_file: Path, method: str = "encode_batch") -> dic
 def octlm(corpus: Path, tokenizer_file: Path) -> dict:
     """octlm's preparation: every record split, encoded and written to token files."""
     from octlm.tokenizer import BPETokenizer
-    from octlm.training import data
+    from octlm.training.corpus import Corpus
+    from octlm.training.tokens import write_tokens
 
     tokenizer = BPETokenizer.from_file(tokenizer_file)
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
-        summary = data.write_tokens(corpus, "*", 0.1, folder, tokenizer)
+        summary = write_tokens(Corpus.open(corpus, "*", 0.1), folder, tokenizer)
         seconds = time.perf_counter() - start
     size = summary["train_bytes"] + summary["val_bytes"]
     return {

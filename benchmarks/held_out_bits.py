@@ -26,8 +26,8 @@ from torch import Tensor
 
 import octlm
 from octlm import records
-from octlm.training import data
 from octlm.training.folder import BEST, choose
+from octlm.training.tokens import load_tokens
 
 BATCH = 32  # windows per forward pass
 
@@ -35,7 +35,7 @@ BATCH = 32  # windows per forward pass
 def validation(folder: Path) -> tuple[int, Tensor]:
     """A run's ``--length`` and its validation tokens ``(N,)``."""
     length = json.loads((folder / "config.json").read_text())["run"]["length"]
-    return length, data.load_tokens(folder / "data", "val", length).long()
+    return length, load_tokens(folder / "data", "val", length).long()
 
 
 def windows(tokens: Tensor, length: int) -> list[Tensor]:

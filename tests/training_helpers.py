@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from octlm.model import ModelConfig
-from octlm.training import checkpoint
+from octlm.training import checkpoint, tokens
 from octlm.training.config import RunConfig, resolve
+from octlm.training.corpus import Corpus
 from octlm.training.metrics import METRICS
 
 TINY_MODEL = dict(width=16, n_layers=1, n_heads=2, n_kv_heads=1)
@@ -88,3 +89,8 @@ def octlm(*arguments, cwd: Path | None = None) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "octlm", *map(str, arguments)],
         cwd=cwd, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+def write_tokens(path, glob, val_share, folder, tokenizer=None, *, formats=None) -> dict:
+    """The corpus at ``path`` opened and its token files written into ``folder``."""
+    return tokens.write_tokens(Corpus.open(path, glob, val_share, formats), folder, tokenizer)

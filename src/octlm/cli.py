@@ -1,12 +1,11 @@
-"""``octlm verify | bench | report | train | sample | export``: argument parsing only; the work
-is in the library."""
+"""``octlm verify | bench | report | prepare | train | sample | export``: argument parsing
+only; the work is in the library."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib
-import os
 import re
 import signal
 import sys
@@ -36,11 +35,11 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         nargs="+",
-        choices=list(verify.DTYPES),
+        choices=list(verify.TESTED_DTYPES),
         dest="dtypes",
         metavar="DTYPE",
-        help=f"tested dtypes, among {', '.join(verify.DTYPES)} (default: float32 bfloat16 on "
-        "CPU, float32 float16 bfloat16 on CUDA)",
+        help=f"tested dtypes, among {', '.join(verify.TESTED_DTYPES)} (default: float32 "
+        "bfloat16 on CPU, float32 float16 bfloat16 on CUDA)",
     )
     parser.add_argument(
         "--only",
@@ -137,7 +136,7 @@ def _report_parser(parser: argparse.ArgumentParser) -> None:
 
 def _train_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm train``: a preset or config file, and one flag per config field."""
-    from octlm.training import config
+    from octlm.training import config, flags
 
     parser.description = (
         "Train an octlm model on text, as bytes or as BPE tokens (--tokenizer): one process, "
@@ -159,25 +158,28 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="start again in an existing run folder"
     )
-    config.add_arguments(parser)
+    flags.add_arguments(parser)
 
     def run(args: argparse.Namespace) -> int:
         from octlm.training import train
 
-        model_values, run_values = config.explicit_values(args)
+        model_values, run_values = flags.explicit_values(args)
         resume = args.out if args.resume else None
-        said: list[str] = []
         try:
             model_config, run_config = config.resolve(
-                args.preset, args.config, model_values, run_values, resume=resume, said=said
+                args.preset, args.config, model_values, run_values, resume=resume
             )
-            if os.environ.get("RANK", "0") == "0":  # one line, not one per torchrun process
-                print(*said, sep="\n", end="\n" if said else "")
+            given = flags.given_names(args.config, model_values, run_values)
             outcome = train(
-                model_config, run_config, args.out, resume=args.resume, overwrite=args.overwrite
+                model_config,
+                run_config,
+                args.out,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                given=given,
             )
         except ValueError as error:  # said with the flags the user typed
-            raise ValueError(config.as_flags(str(error))) from None
+            raise ValueError(flags.as_flags(str(error))) from None
         if outcome.rank == 0:
             if outcome.val_bits_per_byte is not None:
                 print(
@@ -204,47 +206,40 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
 def _prepare_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm prepare``: the corpus, how its files hold documents, the tokenizer
     and the token folder."""
-    import dataclasses
-
-    from octlm.training import config
+    from octlm.training import config, flags
 
     parser.description = (
         "Tokenise a corpus once into a token folder (--out) that `octlm train --data FOLDER` "
         "reuses without tokenising again: token files, data.json (with the corpus's files, "
         "sizes and times, to notice a change) and the BPE's tokenizer.json. A folder already "
-        "up to date is left as it is."
+        "up to date is left as it is. One octlm prepare at a time writes a folder. "
+        "--tokenizer auto chooses as octlm train with its defaults (1,000 steps of 16 x 128 "
+        "tokens) would: give --tokenizer and --vocab-size to choose yourself."
     )
     parser.add_argument("--out", required=True, help="the token folder to write")
-    data_fields = {"data", "glob", "text_field", "separator", "val_share", "tokenizer"}
-    data_fields.add("tokenizer_sample")
-    for field in dataclasses.fields(config.RunConfig):
-        if field.name in data_fields:
-            extras = {k: v for k, v in field.metadata.items() if k != "help"}
-            default = "" if field.default is None else f" (default {field.default})"
-            parser.add_argument(
-                "--" + field.name.replace("_", "-"),
-                dest=f"run.{field.name}",
-                default=None,
-                type=None if "choices" in extras else config._field_type(field.type),
-                help=field.metadata["help"] + default,
-                **extras,
-            )
-    parser.add_argument(
-        "--vocab-size", dest="model.vocab_size", type=int, help=config.MODEL_HELP["vocab_size"]
-    )
+    fields = {"data", "glob", "text_field", "separator", "val_share", "tokenizer"}
+    flags.add_arguments(parser, fields | {"tokenizer_sample"}, {"vocab_size"})
 
     def run(args: argparse.Namespace) -> int:
         from octlm.training import prepare
+        from octlm.training.corpus import Corpus
 
-        model_values, run_values = config.explicit_values(args)
-        run_values.setdefault("tokenizer", "bpe")  # auto's rule needs a run's length
+        model_values, run_values = flags.explicit_values(args)
         try:
             model_config, run_config = config.resolve(None, None, model_values, run_values)
-            prepare.prepare_folder(run_config, model_config.vocab_size, args.out)
+            found = Corpus.of(run_config)
+            given = flags.given_names(None, model_values, run_values)
+            made = prepare.prepare_folder(args.out, found, model_config, run_config, given)
         except ValueError as error:  # said with the flags the user typed
-            raise ValueError(config.as_flags(str(error))) from None
+            raise ValueError(flags.as_flags(str(error))) from None
+        print(tokens_line(made))
         print(f"token folder: {args.out} (octlm train --data {args.out})")
         return 0
+
+    def tokens_line(made) -> str:
+        from octlm.training.tokens import describe
+
+        return describe(made.summary) + (f"\n{made.said}" if made.said else "")
 
     parser.set_defaults(
         run=run, exits={ValueError: 2, OSError: 1}, kept=lambda args: "no token folder written"
@@ -323,7 +318,7 @@ def _step_option(parser: argparse.ArgumentParser) -> None:
 
 def _export_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``octlm export``: what to export, where, and in which type."""
-    from octlm.export import DTYPES, FORMATS, OUTTYPES, QUANTIZED
+    from octlm.export import EXPORT_DTYPES, FORMATS, OUTTYPES, QUANTIZED
 
     parser.description = (
         "Write a run's model (its best checkpoint, or --step's) or a model file saved with "
@@ -349,7 +344,7 @@ def _export_parser(parser: argparse.ArgumentParser) -> None:
     types = parser.add_mutually_exclusive_group()
     types.add_argument(
         "--dtype",
-        choices=[*DTYPES, *QUANTIZED],
+        choices=[*EXPORT_DTYPES, *QUANTIZED],
         help="the weights' type (default: as trained for transformers, float32 for gguf); "
         "q8_0 is gguf's 8-bit blocks; a GGUF file keeps its norms in float32",
     )

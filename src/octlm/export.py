@@ -30,7 +30,7 @@ from octlm.training.folder import BEST, load_model
 BYTES = "bytes"  # the tokenizer of a byte model: ids are the UTF-8 bytes
 FORMATS = ("transformers", "gguf")
 GGUF_SUFFIX = ".gguf"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+EXPORT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANTIZED = ("q8_0",)  # GGUF only: gguf's own quantizer writes it
 # llama.cpp's converter names (convert_hf_to_gguf.py --outtype) -> export's
 OUTTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0"}
@@ -73,7 +73,7 @@ def export(
         format = "gguf" if str(out).endswith(GGUF_SUFFIX) else "transformers"
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    types = (*DTYPES, *QUANTIZED) if format == "gguf" else tuple(DTYPES)
+    types = (*EXPORT_DTYPES, *QUANTIZED) if format == "gguf" else tuple(EXPORT_DTYPES)
     if dtype is not None and dtype not in types:
         raise ValueError(f"dtype must be one of {types} for {format}, got {dtype!r}")
     check_out(out)
@@ -108,7 +108,7 @@ def export(
     from octlm.integrations import llama_format
 
     if dtype is not None:
-        model = model.to(DTYPES[dtype])
+        model = model.to(EXPORT_DTYPES[dtype])
     folder = export_model(model, out, tokenizer=tokenizer)
     architecture = llama_format.FAMILY[llama_format.model_type(model.config)]
     return Exported(folder, architecture, step, kind, how)

@@ -12,6 +12,7 @@ heads in place, so the model never repeats them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -314,11 +315,10 @@ class Attention(nn.Module):
             key, value = cache.update(self.layer, key, value)  # (B, Hkv, K, D) x 2
         documents = {} if document_ids is None else {"document_ids": document_ids}
         dropout_p = self.dropout.p if self.training else 0.0
-        if attends_in_float32(query.device):
-            with torch.autocast("cpu", enabled=False):
-                query, key, value = query.float(), key.float(), value.float()
-                attended = self.attend(query, key, value, dropout_p=dropout_p, **documents)
-        else:
+        in_float32 = attends_in_float32(query.device)
+        if in_float32:
+            query, key, value = query.float(), key.float(), value.float()
+        with torch.autocast("cpu", enabled=False) if in_float32 else contextlib.nullcontext():
             attended = self.attend(query, key, value, dropout_p=dropout_p, **documents)
         attended = attended.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
         return self.dropout(self.output(attended))

@@ -11,7 +11,8 @@ import pytest
 import torch.nn.functional as F
 
 from octlm import load_run
-from octlm.training import data, train
+from octlm.training import train
+from octlm.training.tokens import load_tokens, read_summary
 from tests.training.test_bpe import configs, write_corpus
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "held_out_bits.py"
@@ -33,9 +34,9 @@ def test_every_validation_byte_counts_once(tokenizer, tmp_path, monkeypatch):
     assert last["checkpoint"] == "the last" and last["step"] >= record["step"]
 
     model, tokens_of, _ = load_run(tmp_path / "run")
-    tokens = data.load_tokens(tmp_path / "run" / "data", "val", run.length).long()  # (N,)
+    tokens = load_tokens(tmp_path / "run" / "data", "val", run.length).long()  # (N,)
     first = int(tokens_of.token_bytes[tokens[0]])
-    val_bytes = data.read_summary(tmp_path / "run" / "data")["val_bytes"]
+    val_bytes = read_summary(tmp_path / "run" / "data")["val_bytes"]
     assert record["bytes"] == val_bytes - first  # every target's bytes, the first token's not
     assert record["targets"] == len(tokens) - 1
     # consecutive windows overlapping by one token, each scored on its own

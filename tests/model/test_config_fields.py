@@ -14,7 +14,8 @@ import torch
 
 from octlm import ModelConfig, OctLM
 from octlm.training import checkpoint
-from octlm.training.config import RunConfig, add_arguments, check_resumable, explicit_values
+from octlm.training.config import RunConfig, check_resumable
+from octlm.training.flags import add_arguments, explicit_values
 
 CONFIG = ModelConfig(vocab_size=64, width=48, n_layers=2, n_heads=4, max_length=32)
 NEW_FIELDS = ("tied_head", "mlp_width", "norm_eps", "qk_norm")

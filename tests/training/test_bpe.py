@@ -22,9 +22,11 @@ from octlm import load_run
 from octlm.cli import main
 from octlm.model import ModelConfig, OctLM
 from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
-from octlm.training import data, train
+from octlm.training import train
+from octlm.training.batches import Batches, PackedBatches, evaluation_batches
 from octlm.training.config import resolve
 from octlm.training.sample import generate_text
+from octlm.training.tokens import SPLITS, load_starts, load_tokens
 
 WORDS = ["def", " return", " self", "(x)", ":", "\n    ", " héllo", " wörld", " 中文", " = 1"]
 VOCAB = 300
@@ -69,8 +71,8 @@ def records(folder: Path, kind: str) -> list[dict]:
 def split_documents(folder: Path, split: str) -> list[bytes]:
     """The documents of one split, decoded from its token file at its document starts."""
     tokenizer = load_tokenizer(folder)
-    tokens = data.load_tokens(folder / "data", split, 1).long()
-    starts = [*data.load_starts(folder / "data", split).tolist(), len(tokens)]
+    tokens = load_tokens(folder / "data", split, 1).long()
+    starts = [*load_starts(folder / "data", split).tolist(), len(tokens)]
     return [tokenizer.decode(tokens[a:b]) for a, b in itertools.pairwise(starts)]
 
 
@@ -89,7 +91,7 @@ def test_token_files_decode_to_every_document(bpe_run):
         VOCAB,
         "uint16",
     )
-    for split in data.SPLITS:
+    for split in SPLITS:
         size = (bpe_run / "data" / f"{split}.bin").stat().st_size
         assert size == 2 * summary[f"{split}_tokens"] < summary[f"{split}_bytes"]
     decoded = sorted(split_documents(bpe_run, "train") + split_documents(bpe_run, "val"))
@@ -97,9 +99,9 @@ def test_token_files_decode_to_every_document(bpe_run):
     assert decoded == sorted(p.read_bytes() for p in corpus.rglob("*.txt"))  # \xff\xc3( too
     end = load_tokenizer(bpe_run).end_token
     assert summary["end_token"] == end == VOCAB - 1
-    for split in data.SPLITS:  # each document ends with the end of text, and only there
-        tokens = data.load_tokens(bpe_run / "data", split, 1)
-        starts = data.load_starts(bpe_run / "data", split)
+    for split in SPLITS:  # each document ends with the end of text, and only there
+        tokens = load_tokens(bpe_run / "data", split, 1)
+        starts = load_starts(bpe_run / "data", split)
         ends = torch.cat([starts[1:], torch.tensor([len(tokens)])]) - 1
         assert torch.equal((tokens == end).nonzero().flatten(), ends)
 
@@ -129,10 +131,10 @@ def test_bits_per_byte_are_token_losses_over_the_bytes_they_cover(corpus, tmp_pa
     train(model_config, run, folder, progress=False)
     model, _tokenizer, step = load_run(folder)
     model = model.double()
-    tokens = data.load_tokens(folder / "data", "val", run.length)
+    tokens = load_tokens(folder / "data", "val", run.length)
     vocabulary = load_tokenizer(folder)
     loss, covered = 0.0, 0
-    for batch in data.evaluation_batches(tokens, run.length, run.batch, run.eval_batches):
+    for batch in evaluation_batches(tokens, run.length, run.batch, run.eval_batches):
         with torch.no_grad():
             logits = model(batch.inputs)  # (B, T, V) float64
         loss += float(
@@ -143,9 +145,7 @@ def test_bits_per_byte_are_token_losses_over_the_bytes_they_cover(corpus, tmp_pa
     assert evaluation["step"] == step == 4
     assert math.isclose(evaluation["val_bits_per_byte"], loss / math.log(2) / covered, rel_tol=1e-5)
     first = records(folder, "train_step")[0]
-    batch = data.Batches(
-        data.load_tokens(folder / "data", "train", run.length), run.length, run.seed
-    )
+    batch = Batches(load_tokens(folder / "data", "train", run.length), run.length, run.seed)
     targets = batch.next(run.batch).targets.flatten().tolist()
     first_bytes = sum(len(vocabulary.decode([t])) for t in targets)
     expected = first["loss"] * len(targets) / first_bytes / math.log(2)
@@ -221,11 +221,11 @@ def test_a_folder_whose_tokenizer_is_gone_is_refused_everywhere(bpe_run, tmp_pat
 
 def test_packed_rows_of_bpe_tokens_keep_to_their_documents(bpe_run):
     """Each row's runs of one document id are token runs of that one document."""
-    tokens = data.load_tokens(bpe_run / "data", "train", 1)
-    starts = data.load_starts(bpe_run / "data", "train")
+    tokens = load_tokens(bpe_run / "data", "train", 1)
+    starts = load_starts(bpe_run / "data", "train")
     documents = split_documents(bpe_run, "train")
     tokenizer = load_tokenizer(bpe_run)
-    batch = data.PackedBatches(tokens, 16, 0, starts).next(64)
+    batch = PackedBatches(tokens, 16, 0, starts).next(64)
     for inputs, ids in zip(batch.inputs, batch.document_ids, strict=True):
         for document in ids.unique().tolist():
             if document == len(documents):  # past the last document: padding of nothing
@@ -242,8 +242,8 @@ def test_a_single_file_s_head_gets_no_end_of_text(tmp_path):
     folder = tmp_path / "run"
     train(*configs(corpus, {"vocab_size": 270}, steps=1, val_share=0.2), folder, progress=False)
     end = load_tokenizer(folder).end_token
-    train_tokens = data.load_tokens(folder / "data", "train", 1)
-    val_tokens = data.load_tokens(folder / "data", "val", 1)
+    train_tokens = load_tokens(folder / "data", "train", 1)
+    val_tokens = load_tokens(folder / "data", "val", 1)
     assert not (train_tokens == end).any()
     assert (val_tokens == end).nonzero().flatten().tolist() == [len(val_tokens) - 1]
 
@@ -333,12 +333,6 @@ def test_a_vocabulary_that_is_not_the_tokenizer_s_is_refused(corpus, model, run,
         configs(corpus, model, **run)
 
 
-def test_octlm_train_defaults_to_a_bpe_of_4096_and_bytes_is_one_flag_away(corpus):
-    model_config, run = resolve(run={"data": str(corpus), "tokenizer": "auto", "steps": 1})
-    assert (run.tokenizer, model_config.vocab_size) == ("bpe", 4096)  # read once: BPE
-    assert resolve(run={"tokenizer": "bytes", "data": str(corpus)})[0].vocab_size == 256
-
-
 def test_a_start_whose_corpus_cannot_give_the_vocabulary_leaves_nothing(corpus, tmp_path):
     folder = tmp_path / "run"
     with pytest.raises(ValueError, match=r"yields only .* use a vocab_size of at most"):
@@ -359,13 +353,13 @@ def test_the_tokenizer_file_is_the_run_s_own(bpe_run, tmp_path):
     assert again.encode(text) == load_tokenizer(bpe_run).encode(text)  # the same training
 
 
-def test_a_corpus_too_small_for_the_default_bpe_is_told_what_to_pass(corpus, tmp_path, capsys):
-    """The defaults (a BPE of 4,096 tokens) on a few kilobytes: one line naming the sizes and
-    both ways out, and the same command with --tokenizer bytes trains."""
+def test_a_corpus_too_small_for_a_bpe_asked_for_is_told_what_to_pass(corpus, tmp_path, capsys):
+    """A BPE of 4,096 tokens asked for on a few kilobytes: one line naming the sizes and both
+    ways out, and the same command with --tokenizer bytes trains."""
     flags = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), "--steps", "1"]
     flags += ["--width", "16", "--n-layers", "1", "--n-heads", "2", "--length", "16"]
     flags += ["--eval-batches", "1", "--sample-tokens", "4", "--batch", "4"]
-    assert main(flags) == 2
+    assert main([*flags, "--tokenizer", "bpe"]) == 2
     *_status, error = capsys.readouterr().err.strip().splitlines()
     assert re.match(r"octlm train: --vocab-size 4096: the training text yields only \d+ ", error)
     assert "--tokenizer bytes" in error

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from octlm.cli import build_parser
 from octlm.model import ModelConfig, OctLM
 from octlm.training import compiled, config
+from octlm.training import flags as flags_module
 from tests.training_helpers import losses, tiny_flags, write_corpus
 
 SOURCES = str(Path(__file__).resolve().parents[2] / "src")
@@ -59,7 +60,7 @@ def test_compiled_logits_equal_eager_ones_and_eager_still_checks_token_values():
 )  # fmt: skip
 def test_compile_flag_spellings(flags, mode):
     parser = build_parser(["train"])
-    _model, run = config.explicit_values(parser.parse_args(["train", *flags]))
+    _model, run = flags_module.explicit_values(parser.parse_args(["train", *flags]))
     assert run.get("compile", "auto") == mode
 
 

@@ -7,38 +7,18 @@ Runs use a model of a few thousand parameters on a few kilobytes of generated te
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import re
-from dataclasses import fields
 
 import pytest
 import torch
 
 from octlm.model import ModelConfig, OctLM
 from octlm.training import config, train
-from octlm.training.config import RunConfig, resolve
+from octlm.training.config import resolve
 from octlm.training.optim import lr_factor, make_optimizer
 from tests.training_helpers import TINY_MODEL, configs
-
-
-def test_every_config_field_has_a_flag():
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser)
-    flags = {option for action in parser._actions for option in action.option_strings}
-    for cls in (ModelConfig, RunConfig):
-        for field in fields(cls):
-            assert "--" + field.name.replace("_", "-") in flags
-
-
-def test_switches_turn_either_way():
-    """``--no-fsdp`` and the like: a resumed run may turn off what it was started with."""
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser)
-    args = parser.parse_args(["--no-fsdp", "--context-parallel", "--no-compile"])
-    _model, run = config.explicit_values(args)
-    assert run == {"fsdp": False, "context_parallel": True, "compile": "off"}
 
 
 def test_flags_override_file_which_overrides_preset(tmp_path):

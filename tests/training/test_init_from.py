@@ -21,10 +21,12 @@ from octlm.cli import main  # noqa: E402
 from octlm.export import export_model  # noqa: E402
 from octlm.integrations.llama_format import read_config  # noqa: E402
 from octlm.integrations.tokenizer_files import bpe_file  # noqa: E402
-from octlm.training import data, train  # noqa: E402
+from octlm.training import train  # noqa: E402
+from octlm.training.batches import Batches  # noqa: E402
 from octlm.training.config import RunConfig, resolve  # noqa: E402
 from octlm.training.folder import DATA_FOLDER  # noqa: E402
 from octlm.training.metrics import METRICS  # noqa: E402
+from octlm.training.tokens import load_tokens  # noqa: E402
 from tests.transformers_folders import TEXTS, rope_tolerance, train_bpe  # noqa: E402
 
 SIZES = dict(
@@ -74,8 +76,8 @@ def test_the_first_loss_is_the_imported_models_loss_on_that_batch(family, corpus
     train(model_config, run_config, tmp_path / "run", progress=False)
     records = map(json.loads, (tmp_path / "run" / METRICS).read_text().splitlines())
     first = next(r["loss"] for r in records if r["kind"] == "train_step" and r["step"] == 1)
-    tokens = data.load_tokens(tmp_path / "run" / DATA_FOLDER, "train", RUN["length"])
-    batch = data.Batches(tokens, RUN["length"], run_config.seed).next(RUN["batch"])
+    tokens = load_tokens(tmp_path / "run" / DATA_FOLDER, "train", RUN["length"])
+    batch = Batches(tokens, RUN["length"], run_config.seed).next(RUN["batch"])
     theirs = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float64).eval()
     with torch.no_grad():
         logits = theirs(batch.inputs).logits  # (B, T, V)

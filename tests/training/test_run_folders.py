@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 
 from octlm import load_run
-from octlm.training import checkpoint, config, data, train
+from octlm.training import checkpoint, config, train
+from octlm.training.tokens import SUMMARY
 from tests.training_helpers import configs, file_hashes, write_corpus
 
 
@@ -111,7 +112,7 @@ def test_overwrite_clears_only_what_octlm_wrote(corpus, tmp_path):
     folder = tmp_path / "run"
     train(model_config, run, folder, progress=False)
     (folder / "analysis.ipynb").write_text("mine")
-    (folder / data.SUMMARY).touch()  # a name of the data folder's, in the wrong place
+    (folder / SUMMARY).touch()  # a name of the data folder's, in the wrong place
     with pytest.raises(ValueError, match=r"also holds analysis\.ipynb, data\.json: move them"):
         train(model_config, run, folder, overwrite=True, progress=False)
     assert (folder / "analysis.ipynb").read_text() == "mine"

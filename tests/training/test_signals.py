@@ -17,8 +17,7 @@ import pytest
 
 from octlm import load_run
 from octlm.cli import main
-from octlm.training import checkpoint, config, loop, train
-from octlm.training import corpus as corpus_module
+from octlm.training import checkpoint, config, loop, readers, train
 from octlm.training.metrics import METRICS
 from tests.training.test_run_folder_lock import training_past_its_first_step
 from tests.training_helpers import configs, losses, tiny_flags, write_corpus
@@ -52,7 +51,7 @@ def test_signal_while_preparing_stops_at_once_and_leaves_no_run(
     """Before the first step a signal stops the preparation where it is: no run, no
     half-written token file, exit 128 + signal; the next start begins afresh."""
     folder = tmp_path / "run"
-    read, documents = corpus_module.read, []
+    read, documents = readers.read, []
 
     def signalled(*args):  # the third document read: the split files are open, half written
         for document in read(*args):
@@ -61,9 +60,9 @@ def test_signal_while_preparing_stops_at_once_and_leaves_no_run(
                 os.kill(os.getpid(), signal_number)
             yield document
 
-    monkeypatch.setattr(corpus_module, "read", signalled)
+    monkeypatch.setattr(readers, "read", signalled)
     assert main(tiny_flags(corpus, folder, steps=2)) == 128 + signal_number
-    monkeypatch.setattr(corpus_module, "read", read)
+    monkeypatch.setattr(readers, "read", read)
     assert len(documents) == 3  # it stopped there
     assert "before the first step; start it again" in capsys.readouterr().err
     assert not (folder / config.CONFIG_FILE).exists() and not list(folder.rglob("*.tmp"))

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from octlm.attention.inputs import COMMON, Call, call_of, check, keyword_only
+from octlm.attention.inputs import Call, call_of, check, keyword_only
 from octlm.attention.masks import key_range
 from octlm.attention.tiled.core import (
     RowStats,
@@ -64,9 +64,6 @@ from octlm.context_parallel import (
 )
 
 __all__ = ["ring_attention", "shard_sequence"]  # shard_sequence: the sharding the ring reads
-
-# The call keywords ring_attention takes: the common ones, and these structure and score ones.
-RING_KEYWORDS = (*COMMON, "document_ids", "softcap", "alibi_slopes", "sinks")
 
 
 def _check_call(call: Call, layout: str) -> Call:

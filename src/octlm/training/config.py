@@ -21,10 +21,9 @@ from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
-from octlm.training import recipe
 from octlm.training.budget import parse_duration
 from octlm.training.compiled import MODES, check_mode
-from octlm.training.corpus import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Formats
+from octlm.training.formats import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Formats
 from octlm.training.optim import DEFAULT_OPTIMIZER, OPTIMIZERS
 from octlm.training.precision import AUTO
 
@@ -37,14 +36,10 @@ PRESETS: dict[str, dict] = {
     "base": dict(width=512, n_layers=8, n_heads=8, n_kv_heads=4, mlp_width=1536),
 }
 DEFAULT_PRESET = "tiny"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRAINING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_FILE = "config.json"
 # Optimizer steps of a run that sets neither --steps nor --time-budget.
 DEFAULT_STEPS = 1000
-# Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
-# Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
-# checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
-# dropout: ``INTERCHANGEABLE``) may change with it.
 # What a field meant in a config.json written before the field was stored: the default then.
 PREDATED = {
     "dtype": "float32",
@@ -53,6 +48,10 @@ PREDATED = {
     "muon_lr": 6e-3,
     "min_lr_ratio": 0.1,
 }
+# Run fields a resumed run may change: how long it goes on, and how it is watched and kept.
+# Which processes run it (DDP, FSDP, context parallel, one) is the launch's choice too: every
+# checkpoint is a full state dict, and how the model runs (its attention, tiles, kernel and
+# dropout: ``INTERCHANGEABLE``) may change with it.
 RESUMABLE = frozenset(
     {"steps", "time_budget", "device", "compile", "checkpoint_activations", "eval_every"}
     | {"checkpoint_every", "keep", "early_stop", "log_every", "prompt", "sample_tokens"}
@@ -218,8 +217,8 @@ class RunConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.dtype not in (AUTO, *DTYPES):
-            raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *TRAINING_DTYPES):
+            raise ValueError(f"dtype must be one of {(AUTO, *TRAINING_DTYPES)}, got {self.dtype!r}")
         Formats(self.text_field, self.separator)
         if self.tokenizer not in (AUTO, *NAMES):
             raise ValueError(f"tokenizer must be one of {(AUTO, *NAMES)}, got {self.tokenizer!r}")
@@ -316,12 +315,11 @@ def resolve(
     run: dict | None = None,
     *,
     resume: str | Path | None = None,
-    said: list[str] | None = None,
 ) -> tuple[ModelConfig, RunConfig]:
     """Defaults, then ``preset``, then ``file``, then the explicit ``model`` and ``run`` values.
 
-    A new run's ``--tokenizer auto`` follows the corpus and the run's length
-    (:mod:`octlm.training.recipe`); what it chose, and why, is appended to ``said``.
+    A new run's ``--tokenizer auto`` stays ``auto`` here: it follows the corpus, which the run
+    opens (:mod:`octlm.training.recipe`). A resumed run keeps what auto chose at its start.
 
     ``resume`` is the folder of a run to continue: its stored configuration is the file, and
     only the flags given to resume it change it. A ``preset`` or ``file`` given with it (the
@@ -338,8 +336,8 @@ def resolve(
             raise ValueError(f"--resume: {str(resume)!r} holds no run (no {CONFIG_FILE})")
         stored_run = read_file(stored).get("run", {})
         model, run = _resumed_flags(read_file(stored), preset, file, model or {}, run or {})
-        if run.get("dtype") == AUTO:  # the run keeps the dtype auto resolved to at its start
-            run = {name: value for name, value in run.items() if name != "dtype"}
+        # the run keeps what auto resolved to at its start: its dtype and its tokenizer
+        run = {name: value for name, value in run.items() if value != AUTO or name == "compile"}
         run = {name: value for name, value in PREDATED.items() if name not in stored_run} | run
         preset, file = None, stored
     content = read_file(file) if file is not None else {}
@@ -352,14 +350,6 @@ def resolve(
     if run_config.init_from is not None and resume is None:
         model_values = _imported_model(run_config.init_from, preset, given)
         run_config = imported_tokenizer(run_config, model_values["vocab_size"], run_values)
-    if run_config.tokenizer == AUTO:  # a resumed run's own is stored; an imported one, given
-        tokenizer, why = recipe.tokenizer_for(run_config)
-        run_config = dataclasses.replace(run_config, tokenizer=tokenizer)
-        if tokenizer == "bytes" and not {"length", "batch"} & run_values.keys():
-            run_config = dataclasses.replace(run_config, **recipe.BYTE_ROWS)
-            why += f"; rows of {run_config.batch} x {run_config.length} bytes"
-        if said is not None:
-            said.append(f"--tokenizer {tokenizer} (auto: {why})")
     model_values.setdefault("max_length", run_config.length)
     if run_config.tokenizer == "bpe":
         model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
@@ -563,100 +553,3 @@ def check_resumable(stored: dict, model: ModelConfig, run: RunConfig) -> None:
 def to_dict(model: ModelConfig, run: RunConfig) -> dict:
     """The fully resolved configuration, as ``config.json`` holds it."""
     return {"model": asdict(model), "run": asdict(run)}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``RunConfig`` and ``ModelConfig`` field (``--n-kv-heads``), default unset."""
-    run_group = parser.add_argument_group("run")
-    for field in fields(RunConfig):
-        extras = {k: v for k, v in field.metadata.items() if k != "help"}
-        help = field.metadata["help"]
-        if "action" not in extras:
-            extras |= {"type": _field_type(field.type)}
-            if "choices" not in extras:  # else argparse lists them
-                extras |= {"metavar": field.name.upper()}
-            help += "" if field.default is None else f" (default {field.default})"
-        if field.name in ("dtype", "optimizer"):
-            extras |= {"choices": [AUTO, *DTYPES] if field.name == "dtype" else list(OPTIMIZERS)}
-            extras |= {"metavar": None}
-        run_group.add_argument(
-            _flag(field.name), dest=f"run.{field.name}", default=None, help=help, **extras
-        )
-        if field.name == "compile":
-            run_group.add_argument(
-                "--no-compile",
-                dest="run.compile",
-                action="store_const",
-                const="off",
-                help="--compile off",
-            )
-    model_group = parser.add_argument_group("model (default: the preset's, else ModelConfig's)")
-    for field in fields(ModelConfig):
-        if field.type == "bool":
-            extras = {"action": argparse.BooleanOptionalAction}
-        else:
-            extras = {"type": _field_type(field.type), "metavar": field.name.upper()}
-        if field.name == "block":
-            extras = {"type": int, "nargs": "+", "metavar": "B"}
-        if field.name == "attention":
-            extras = {"choices": list(IMPLEMENTATIONS)}
-        model_group.add_argument(
-            _flag(field.name),
-            dest=f"model.{field.name}",
-            default=None,
-            help=MODEL_HELP[field.name],
-            **extras,
-        )
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-# The help of each model flag (ModelConfig's fields; the model's own docstring says more).
-MODEL_HELP = {
-    "vocab_size": "tokens in the vocabulary (bytes: 256; BPE: the size it learns)",
-    "width": "the residual stream's width (embedding size)",
-    "n_layers": "transformer blocks",
-    "n_heads": "query heads per block (width must be a multiple)",
-    "n_kv_heads": "key/value heads (grouped-query attention; default: n_heads)",
-    "max_length": "the longest sequence the model takes, in tokens (default --length); a "
-    "longer one at inference is refused",
-    "attention": "attention implementation (auto picks sdpa or tiled per call)",
-    "block": "tiled's tile: B, or BLOCK_Q BLOCK_K",
-    "kernel": "tiled's kernel: auto (Triton on CUDA when installed), pytorch or triton",
-    "window": "sliding-window attention: each token sees this many (0: no window)",
-    "dropout": "dropout probability in training",
-    "rope_base": "rotary embedding's base",
-    "tied_head": "the output head shares the embedding matrix",
-    "mlp_width": "SwiGLU's hidden width (default 8/3 x width, rounded up to a multiple of 8)",
-    "norm_eps": "RMSNorm's epsilon",
-    "qk_norm": "RMSNorm over each head's queries and keys before RoPE (exports as Qwen3)",
-}
-
-
-def as_flags(message: str) -> str:
-    """A configuration error as the command line says it: a leading field name becomes the
-    flag that sets it (``steps must be ...`` -> ``--steps must be ...``)."""
-    name, space, rest = message.partition(" ")
-    known = {f.name for f in fields(RunConfig)} | {f.name for f in fields(ModelConfig)}
-    return _flag(name) + space + rest if name in known else message
-
-
-def _field_type(annotation: str):
-    """The argparse type of a dataclass field annotated like ``int`` or ``str | None``."""
-    for name, kind in (("int", int), ("float", float), ("str", str)):
-        if annotation.split(" | ")[0] == name:
-            return kind
-    raise TypeError(f"no command-line type for annotation {annotation!r}")
-
-
-def explicit_values(args: argparse.Namespace) -> tuple[dict, dict]:
-    """The ``model`` and ``run`` values given on the command line (unset flags left out)."""
-    given = {name: value for name, value in vars(args).items() if value is not None}
-    model = {name[6:]: value for name, value in given.items() if name.startswith("model.")}
-    run = {name[4:]: value for name, value in given.items() if name.startswith("run.")}
-    if "block" in model:
-        block = model["block"]
-        model["block"] = block[0] if len(block) == 1 else tuple(block)
-    return model, run

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from octlm.model import ModelConfig, OctLM, is_int_at_least
 from octlm.tokenizer import STORING as STORING_TOKENIZER
 from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
-from octlm.training import checkpoint, data, lock
+from octlm.training import checkpoint, lock, tokens
 from octlm.training.config import (
     CONFIG_FILE,
     RunConfig,
@@ -36,7 +36,7 @@ from octlm.training.config import (
     to_dict,
 )
 from octlm.training.metrics import METRICS, PICTURE, recorded_best
-from octlm.training.prepare import run_tokens
+from octlm.training.prepare import Made, run_tokens
 
 DATA_FOLDER = "data"
 # Marks a run folder that octlm made and has not yet brought to its first step.
@@ -79,9 +79,11 @@ def prepare(
     resume: bool,
     overwrite: bool,
     progress: bool = False,
-) -> dict:
+    given: frozenset = frozenset(),
+) -> Made:
     """Check or create the held run folder and write the token files (saying so on stderr with
-    ``progress``: a large corpus takes a while); their summary.
+    ``progress``: a large corpus takes a while): their summary, and the model and run as a new
+    run's ``--tokenizer auto`` settles them (``given``: the fields the user set).
 
     ``config.json`` is written by :func:`store_config` once the run reaches its first step.
     """
@@ -114,18 +116,19 @@ def prepare(
         (folder / PREPARING).touch()
     if bpe is not None:  # the run keeps the tokenizer its weights were trained with
         shutil.copyfile(bpe, folder / TOKENIZER_FILE)
-    summary = data.read_summary(folder / DATA_FOLDER)
+    summary = tokens.read_summary(folder / DATA_FOLDER)
     if summary is None and resume:
         raise ValueError(
-            f"--resume: {str(folder / DATA_FOLDER / data.SUMMARY)!r} is missing, so the run's "
+            f"--resume: {str(folder / DATA_FOLDER / tokens.SUMMARY)!r} is missing, so the run's "
             "token files cannot be checked; start the run again (--overwrite)"
         )
+    made = Made(summary, model_config, run, None)
     if summary is None:
-        summary = run_tokens(
-            folder / DATA_FOLDER, folder, model_config.vocab_size, run, bpe is not None, progress
+        made = run_tokens(
+            folder / DATA_FOLDER, folder, model_config, run, given, bpe is not None, progress
         )
-    _check_tokenizer(folder, summary, model_config, run)
-    return summary
+    _check_tokenizer(folder, made.summary, made.model, made.run)
+    return made
 
 
 def _check_resumable(folder: Path, model_config: ModelConfig, run: RunConfig) -> None:
@@ -176,7 +179,7 @@ def _check_tokenizer(folder: Path, summary: dict, model_config: ModelConfig, run
     tokenizer = load_tokenizer(folder)
     expected = (run.tokenizer, model_config.vocab_size)
     found = {
-        f"{DATA_FOLDER}/{data.SUMMARY}": (summary["tokenizer"], summary["vocab_size"]),
+        f"{DATA_FOLDER}/{tokens.SUMMARY}": (summary["tokenizer"], summary["vocab_size"]),
         "the run folder's tokenizer": (tokenizer.name, tokenizer.vocab_size),
     }
     wrong = [
@@ -210,7 +213,7 @@ def _foreign_entries(folder: Path, own: set[str], checkpoints: bool = False) -> 
             if not entry.is_dir():  # a file where the token files go
                 found.append(entry.name)
                 continue
-            inside = (e.name for e in entry.iterdir() if e.name not in data.OWN_FILES)
+            inside = (e.name for e in entry.iterdir() if e.name not in tokens.OWN_FILES)
             found += [f"{DATA_FOLDER}/{name}" for name in inside]
         elif entry.name not in own and not (checkpoints and checkpoint.is_own(entry.name)):
             found.append(entry.name)

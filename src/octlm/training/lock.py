@@ -1,4 +1,5 @@
-"""One process at a time in a run folder: an OS lock on a file inside it, held for the run's life.
+"""One process at a time in a run folder (or a token folder): an OS lock on a file, held for
+the writer's life.
 
 ``fcntl.flock`` on ``RUN/.octlm-lock``. The kernel releases it when the holder ends, however it
 ends (kill -9 included), so a lock is never stale. The holder writes its pid into the file, so a
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 LOCK_FILE = ".octlm-lock"
@@ -47,18 +49,30 @@ def acquire(folder: str | os.PathLike) -> FolderLock:
     made_folder = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
+    made_file = not path.exists()
+
+    def refused(holder: str) -> ValueError:
+        return ValueError(
+            f"run folder {str(folder)!r} is in use by process {holder} (another octlm "
+            "train holds it): wait for it to end, or choose another --out"
+        )
+
+    descriptor = locked(path, fcntl.LOCK_EX, refused)
+    return FolderLock(folder, descriptor, made_file, made_folder)
+
+
+def locked(path: Path, mode: int, refused: Callable[[str], Exception] | None) -> int:
+    """A descriptor of ``path`` (made if missing) that holds ``fcntl.flock`` ``mode``
+    (``LOCK_EX``: the holder's pid is written into the file; ``LOCK_SH``). Where another
+    process holds it, ``refused(its pid)`` is raised, or with None this waits for it."""
     while True:
-        made_file = not path.exists()
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(descriptor, mode | (fcntl.LOCK_NB if refused else 0))
         except BlockingIOError:
             holder = os.read(descriptor, 32).decode(errors="replace").strip() or "unknown"
             os.close(descriptor)
-            raise ValueError(
-                f"run folder {str(folder)!r} is in use by process {holder} (another octlm "
-                "train holds it): wait for it to end, or choose another --out"
-            ) from None
+            raise refused(holder) from None
         except BaseException:
             os.close(descriptor)
             raise
@@ -69,6 +83,15 @@ def acquire(folder: str | os.PathLike) -> FolderLock:
         if same:
             break
         os.close(descriptor)  # the file was removed by its last holder: lock the new one
-    os.ftruncate(descriptor, 0)
-    os.write(descriptor, f"{os.getpid()}\n".encode())
-    return FolderLock(folder, descriptor, made_file, made_folder)
+    if mode == fcntl.LOCK_EX:
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, f"{os.getpid()}\n".encode())
+    return descriptor
+
+
+def holder(path: Path) -> str:
+    """The pid written into the lock file ``path`` ("unknown" where it says none)."""
+    try:
+        return path.read_text(errors="replace").strip() or "unknown"
+    except FileNotFoundError:
+        return "unknown"

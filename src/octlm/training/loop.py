@@ -41,13 +41,14 @@ from octlm.context_parallel import context_parallel_loss
 from octlm.model import ModelConfig, OctLM
 from octlm.progress import Progress
 from octlm.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
-from octlm.training import checkpoint, data, distributed
+from octlm.training import checkpoint, distributed, tokens
 from octlm.training import folder as run_folder
 from octlm.training.allocator import keep_freed_memory
+from octlm.training.batches import IGNORED, Batch, Batches, PackedBatches, evaluation_batches
 from octlm.training.budget import Stopwatch
 from octlm.training.compiled import CompiledLoss, compiles_here
 from octlm.training.config import (
-    DTYPES,
+    TRAINING_DTYPES,
     RunConfig,
     imported_tokenizer,
     parameter_count,
@@ -107,6 +108,7 @@ def train(
     overwrite: bool = False,
     progress: bool = True,
     clock: Callable[[], float] = time.monotonic,
+    given: frozenset = frozenset(),
 ) -> Outcome:
     """Train ``OctLM(model_config)`` as ``run`` says, keeping everything in the folder ``out``.
 
@@ -118,6 +120,8 @@ def train(
     the first step they raise :class:`octlm.signals.Stopped` (Ctrl-C: ``KeyboardInterrupt``):
     nothing was trained, and the next start clears what was prepared.
     ``clock`` (seconds) measures the training time that ``run.time_budget`` spends.
+    A new run's ``--tokenizer auto`` is settled by rank 0 from the corpus
+    (:mod:`octlm.training.recipe`), keeping the fields named in ``given`` (those the user set).
     On CPU the process keeps large freed blocks for reuse (:mod:`octlm.training.allocator`).
     """
     if run.init_from is not None and not resume:  # the run keeps its weights' tokenizer
@@ -134,9 +138,12 @@ def train(
     try:
         with signals.stop_on_signals(STOPPING) as stop, run_folder.hold(folder, cluster):
             _check_run(model_config, run, cluster)
-            summary = cluster.on_main(
-                lambda: run_folder.prepare(folder, model_config, run, resume, overwrite, progress)
+            summary, model_config, run, chosen["tokenizer"] = cluster.on_main(
+                lambda: run_folder.prepare(
+                    folder, model_config, run, resume, overwrite, progress, given
+                )
             )
+            _check_run(model_config, run, cluster)  # as auto settled it
             state = Training.build(model_config, run, folder, cluster, clock, resume)
             return _loop(state, summary, resume, progress, stop, chosen)
     finally:
@@ -217,15 +224,15 @@ def _loop(
         )
     val_loss, val_bits_per_byte, _sample = last_eval or (None, None, None)
     return Outcome(
-        folder,
-        step,
-        val_loss,
-        val_bits_per_byte,
-        evaluated,
-        stopped_by,
-        cluster.rank,
-        state.best,
-        early,
+        folder=folder,
+        step=step,
+        val_loss=val_loss,
+        val_bits_per_byte=val_bits_per_byte,
+        val_step=evaluated,
+        stopped_by=stopped_by,
+        rank=cluster.rank,
+        best_step=state.best,
+        stopped_early=early,
     )
 
 
@@ -331,8 +338,8 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
-    batches: data.Batches
-    validation: list[data.Batch]
+    batches: Batches
+    validation: list[Batch]
     tokenizer: ByteTokenizer | BPETokenizer
     token_bytes: Tensor  # (V,) bytes each token stands for
     stopwatch: Stopwatch  # training time, over every launch of the run
@@ -349,9 +356,9 @@ class Training:
     @classmethod
     def build(cls, model_config, run, folder, cluster, clock, resume: bool) -> Training:
         """A run's state at step 0, from the prepared folder's token files and tokenizer."""
-        tokens = {
-            split: data.load_tokens(folder / DATA_FOLDER, split, run.length)
-            for split in data.SPLITS
+        split_tokens = {
+            split: tokens.load_tokens(folder / DATA_FOLDER, split, run.length)
+            for split in tokens.SPLITS
         }
         tokenizer = load_tokenizer(folder)  # checked against the run by prepare
         torch.manual_seed(run.seed)  # the same initial weights on every rank
@@ -367,7 +374,7 @@ class Training:
             run.weight_decay,
             optimizer=run.optimizer,
             muon_lr=run.muon_lr,
-            precision=DTYPES["bfloat16" if run.dtype == "bfloat16" else "float32"],
+            precision=TRAINING_DTYPES["bfloat16" if run.dtype == "bfloat16" else "float32"],
         )
         stopwatch = Stopwatch(clock)
         scheduler = make_scheduler(
@@ -379,33 +386,35 @@ class Training:
             elapsed=lambda: stopwatch.elapsed,
         )
         scaler = torch.amp.GradScaler(cluster.device.type, enabled=run.dtype == "float16")
-        starts = data.load_starts(folder / DATA_FOLDER, "train") if run.pack else None
+        starts = tokens.load_starts(folder / DATA_FOLDER, "train") if run.pack else None
         batches = (
-            data.PackedBatches(tokens["train"], run.length, run.seed, starts)
+            PackedBatches(split_tokens["train"], run.length, run.seed, starts)
             if run.pack
-            else data.Batches(tokens["train"], run.length, run.seed)
+            else Batches(split_tokens["train"], run.length, run.seed)
         )
-        validation = data.evaluation_batches(tokens["val"], run.length, run.batch, run.eval_batches)
+        validation = evaluation_batches(
+            split_tokens["val"], run.length, run.batch, run.eval_batches
+        )
         torch.manual_seed(run.seed + cluster.rank)  # dropout differs between ranks' rows
         autocast = torch.autocast(
-            cluster.device.type, dtype=DTYPES[run.dtype], enabled=run.dtype != "float32"
+            cluster.device.type, dtype=TRAINING_DTYPES[run.dtype], enabled=run.dtype != "float32"
         )
         return cls(
-            model_config,
-            run,
-            folder,
-            cluster,
-            raw,
-            optimizer,
-            scheduler,
-            scaler,
-            batches,
-            validation,
-            tokenizer,
-            tokenizer.token_bytes,
-            stopwatch,
-            autocast,
-            opening=_opening(tokens["val"], tokenizer),
+            model_config=model_config,
+            run=run,
+            folder=folder,
+            cluster=cluster,
+            raw=raw,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            batches=batches,
+            validation=validation,
+            tokenizer=tokenizer,
+            token_bytes=tokenizer.token_bytes,
+            stopwatch=stopwatch,
+            autocast=autocast,
+            opening=_opening(split_tokens["val"], tokenizer),
         )
 
     def launch(self) -> None:
@@ -416,7 +425,7 @@ class Training:
             self.model, compiling = torch.compile(self.model), False
         self.loss = CompiledLoss(_summed_loss, on=compiling, device=self.cluster.device)
 
-    def step(self, batch: data.Batch) -> tuple[Tensor, Tensor, float]:
+    def step(self, batch: Batch) -> tuple[Tensor, Tensor, float]:
         """One optimizer step on this rank's part of the global ``batch`` (B, T), then the
         clock and the schedule; (loss, grad norm, the step's learning rate)."""
         run, cluster = self.run, self.cluster
@@ -468,11 +477,11 @@ class Training:
         bits = val_loss * self.tokens_per_byte(self.validation) / LN2
         return Evaluation(val_loss, bits, text)
 
-    def tokens_per_byte(self, batches: list[data.Batch]) -> float:
+    def tokens_per_byte(self, batches: list[Batch]) -> float:
         """The targets ``batches`` count per byte those targets stand for: the factor from a
         loss per token to a loss per byte (1.0 for byte tokens)."""
         targets = torch.cat([batch.targets.flatten() for batch in batches])  # (N,)
-        counted = targets[targets != data.IGNORED]  # (n,)
+        counted = targets[targets != IGNORED]  # (n,)
         return len(counted) / int(self.token_bytes[counted].sum())
 
     def save(self, step: int) -> None:
@@ -568,7 +577,7 @@ def _check_run(model_config: ModelConfig, run: RunConfig, cluster: Cluster) -> N
 
 
 def _loss(
-    summed: Callable, model: nn.Module, micro: data.Batch, share: float, cluster: Cluster
+    summed: Callable, model: nn.Module, micro: Batch, share: float, cluster: Cluster
 ) -> Tensor:
     """This rank's part of the batch's mean loss: its micro-batch's summed token losses
     (``summed``: :func:`_summed_loss`, compiled or not) over ``share``, the targets the whole
@@ -590,7 +599,7 @@ def _summed_loss(
     return F.cross_entropy(
         logits.float().flatten(0, 1),
         targets.flatten(),
-        ignore_index=data.IGNORED,
+        ignore_index=IGNORED,
         reduction="sum",
     )
 
@@ -605,14 +614,14 @@ def _opening(tokens: Tensor, tokenizer) -> str:
     return text or "\n"
 
 
-def _micro_batches(batch: data.Batch, run: RunConfig, cluster: Cluster):
+def _micro_batches(batch: Batch, run: RunConfig, cluster: Cluster):
     """This rank's rows of a global batch, cut into ``accumulate`` equal micro-batches, and the
     share of the batch's counted targets each rank's losses are divided by."""
-    share = int((batch.targets != data.IGNORED).sum()) / cluster.data_ranks
+    share = int((batch.targets != IGNORED).sum()) / cluster.data_ranks
     rows = [None if part is None else cluster.rows(part).chunk(run.accumulate) for part in batch]
     for index in range(run.accumulate):
         parts = (None if part is None else part[index].to(cluster.device) for part in rows)
-        yield data.Batch(*parts), share  # (b, T) each
+        yield Batch(*parts), share  # (b, T) each
 
 
 def _sampling_model(raw: OctLM, model_config: ModelConfig, cluster: Cluster) -> OctLM | None:
@@ -651,26 +660,14 @@ def _announce(
     chosen: dict,
 ) -> None:
     """The run's start lines: its data, its tokens, its model and how it runs (``chosen``:
-    whether the dtype is --dtype auto's pick for this hardware, and why the steps are compiled
-    or not)."""
+    whether the dtype is --dtype auto's pick for this hardware, why the steps are compiled or
+    not, and what --tokenizer auto chose and why)."""
     units = "has" if run.dtype == "bfloat16" else "lacks"
     dtype = f"{run.dtype} (auto: the {cluster.device.type} {units} bfloat16 units)"
     parameters = parameter_count(model_config)
-    skipped = summary["empty_skipped"]
-    print(
-        f"data {summary['source']} ({summary['glob']}): "
-        f"train {summary['train_documents']:,} documents, {summary['train_bytes']:,} bytes; "
-        f"validation {summary['val_documents']:,} documents, {summary['val_bytes']:,} bytes, "
-        f"{100 * data.held_out_share(summary):.1f}% (--val-share {summary['val_share']}) by "
-        f"{data.RULES.get(summary.get('split', 'file'), 'a hash of each file')}"
-        + (f"; {skipped:,} empty documents skipped" if skipped else "")
-    )
-    if summary["tokenizer"] != "bytes":
-        print(
-            f"tokens: {summary['tokenizer']} of {summary['vocab_size']:,}; train "
-            f"{summary['train_tokens']:,} ({summary['train_bytes'] / summary['train_tokens']:.2f} "
-            f"bytes each), validation {summary['val_tokens']:,}"
-        )
+    print(tokens.describe(summary))
+    if chosen.get("tokenizer"):
+        print(chosen["tokenizer"])
     print(
         f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
         f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, "

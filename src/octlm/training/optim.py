@@ -74,20 +74,6 @@ class Joint(torch.optim.Optimizer):
             part.load_state_dict({"state": state, "param_groups": own})
 
 
-def orthogonalise(
-    update: Tensor,
-    coefficients: tuple,
-    steps: int,
-    eps: float,
-    precision: torch.dtype = torch.float32,
-) -> Tensor:
-    """``update (A, B)`` made nearly orthogonal by ``steps`` quintic Newton-Schulz iterations in
-    ``precision`` (torch.optim.Muon's iteration and coefficients): its singular values end
-    near 1."""
-    (orthogonal,) = orthogonalise_all([update], coefficients, steps, eps, precision)
-    return orthogonal
-
-
 def orthogonalise_all(
     updates: Sequence[Tensor],
     coefficients: tuple,
@@ -95,9 +81,11 @@ def orthogonalise_all(
     eps: float,
     precision: torch.dtype = torch.float32,
 ) -> list[Tensor]:
-    """:func:`orthogonalise` of each of ``updates``, those of one shape (up to a transpose)
-    stacked and iterated together: a block's matrices come in a few shapes, and one batched
-    product per shape costs far less than one per matrix where the matrices are small."""
+    """Each of ``updates (A, B)`` made nearly orthogonal by ``steps`` quintic Newton-Schulz
+    iterations in ``precision`` (torch.optim.Muon's iteration and coefficients), so that its
+    singular values end near 1. Those of one shape (up to a transpose) are stacked and iterated
+    together: a block's matrices come in a few shapes, and one batched product per shape costs
+    far less than one per matrix where the matrices are small."""
     a, b, c = coefficients
     oriented = [update.T if update.size(0) > update.size(1) else update for update in updates]
     together = collections.defaultdict(list)  # (short, long) shape, dtype, device -> indices

@@ -4,7 +4,8 @@ A reader yields :class:`Document` s: a document's text as bytes in pieces (read 
 consumed, so no file, and no long text, is ever held whole), the file it came from (relative to
 the corpus root) and its index in that file (None where the file is one document). What
 happens to the documents (the split, the tokenizer, the token files) is
-:mod:`octlm.training.data`'s, one pipeline for every format.
+:mod:`octlm.training.corpus` 's and :mod:`octlm.training.tokens` 's, one pipeline for every
+format.
 
 Formats, by the name's last suffix after any compression suffix (``.gz``, ``.zst``, ``.xz``,
 ``.bz2``, decompressed as the file is read):
@@ -25,6 +26,7 @@ the field.
 from __future__ import annotations
 
 import bz2
+import codecs
 import fnmatch
 import gzip
 import io
@@ -36,44 +38,24 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from octlm.training.formats import Formats
+
 BLOCK = 1 << 20  # bytes read at a time from a text file
 JSON_ARRAY_LIMIT = 128 * 2**20  # a JSON array is parsed whole: beyond this, JSON Lines
-DEFAULT_TOKENIZER_SAMPLE = 200 * 10**6  # bytes of training text a BPE learns from at most
 ROWS = 1024  # rows of a Parquet file decoded at a time
+ZSTD_PIECE = 1 << 16  # compressed bytes of a .zst file decompressed at a time (zstandard)
 EXTRA = "pip install 'octlm[data]'"  # pyarrow, and zstandard where Python has no zstd
 COMPRESSIONS = (".gz", ".zst", ".xz", ".bz2")
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 FORMATS |= {".arrow": "arrow"}
-# Every format above, plain or compressed (``--glob``'s default for a --data folder).
-DEFAULT_GLOB = "**/*.{txt,md,jsonl,ndjson,json,parquet,arrow}{,.gz,.zst,.xz,.bz2}"
 # What datasets.save_to_disk writes beside its .arrow files: descriptions, not documents.
 DATASET_FILES = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
 # Installed packages are not the standard library, wherever an interpreter keeps them.
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 BRACES = re.compile(r"\{([^{}]*)\}")
-
-
-@dataclass(frozen=True)
-class Formats:
-    """How documents are found in files: the field of a record that holds its text, and the
-    separator that cuts a text file into documents (None: each text file is one)."""
-
-    text_field: str = "text"
-    separator: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text_field, str) or not all(self.text_field.split(".")):
-            raise ValueError(
-                f"text_field must name a field (a.b for a nested one), got {self.text_field!r}"
-            )
-        if self.separator is not None and (
-            not isinstance(self.separator, str) or not self.separator
-        ):
-            raise ValueError(f"separator must be a non-empty string, got {self.separator!r}")
 
 
 class Document(NamedTuple):
@@ -143,6 +125,88 @@ def format_of(path: Path) -> str:
     return FORMATS.get(name.suffix.lower(), "text")
 
 
+def estimated_text(path: Path, size: int) -> int:
+    """About how many bytes of text a corpus file of ``size`` bytes on disk holds, from the few
+    bytes where its container records it: a compressed file's length decompressed (gzip: its
+    last member's, which the trailer keeps modulo 4 GiB, so plus the multiple of 4 GiB that
+    brings it nearest 4 times ``size``; zstd: its first frame's content size; xz: the sum of
+    its last stream's blocks), a Parquet file's column chunks before compression. Where the
+    container records none (bz2, a zstd frame written as a stream), cannot be read (the reader
+    says why) or records less than ``size`` (a text is never shorter than its compressed file:
+    one of several members or frames), 4 times ``size``; an uncompressed file other than
+    Parquet, ``size``."""
+    compression = compression_of(path)
+    if compression is None and format_of(path) != "parquet":
+        return size
+    recorded = {".gz": _gzip_length, ".zst": _zstd_length, ".xz": _xz_length}
+    length = recorded.get(compression, _parquet_length if compression is None else None)
+    try:
+        with open(path, "rb") as file:
+            found = length(file, size) if length else None
+    except (OSError, ValueError, ImportError):  # a damaged file, or no pyarrow
+        found = None
+    return found if found is not None and found >= size else 4 * size
+
+
+def _gzip_length(file, size: int) -> int | None:
+    if file.read(2) != b"\x1f\x8b":
+        return None
+    file.seek(-4, os.SEEK_END)
+    low = int.from_bytes(file.read(4), "little")  # ISIZE: the length modulo 2**32
+    length = low + max(0, round((4 * size - low) / 2**32)) * 2**32
+    return length if length <= 1032 * size else None  # deflate compresses 1032-fold at most
+
+
+def _zstd_length(file, size: int) -> int | None:
+    """The content size in a zstd frame header (RFC 8878 3.1.1.1), where it is written."""
+    header = file.read(18)  # magic, descriptor, window, dictionary id, content size: at most
+    if len(header) < 6 or header[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    descriptor = header[4]
+    single = descriptor >> 5 & 1  # a single segment has no window byte
+    width = (single, 2, 4, 8)[descriptor >> 6]
+    start = 5 + (not single) + (0, 1, 2, 4)[descriptor & 3]
+    field = header[start : start + width]
+    if not width or len(field) < width:
+        return None
+    return int.from_bytes(field, "little") + (256 if width == 2 else 0)
+
+
+def _xz_length(file, size: int) -> int | None:
+    """The sum of the uncompressed sizes in the index of an xz file's last stream."""
+    file.seek(-12, os.SEEK_END)
+    footer = file.read(12)  # CRC32, the index's size / 4 - 1, flags, b"YZ"
+    if footer[10:] != b"YZ":
+        return None
+    index_size = (int.from_bytes(footer[4:8], "little") + 1) * 4
+    file.seek(-12 - index_size, os.SEEK_END)
+    index = file.read(index_size)  # 0, count, (unpadded, uncompressed) each, padding, CRC32
+    numbers = list(_varints(index[1:-4]))
+    if index[:1] != b"\0" or not numbers or len(numbers) <= 2 * numbers[0]:
+        return None
+    return sum(numbers[2 : 2 * numbers[0] + 1 : 2])
+
+
+def _varints(data: bytes) -> Iterator[int]:
+    """The numbers of xz's variable-length encoding: 7 bits a byte, low first, high bit set
+    on every byte but a number's last."""
+    number = shift = 0
+    for byte in data:
+        number |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            yield number
+            number = shift = 0
+
+
+def _parquet_length(file, size: int) -> int:
+    import pyarrow.parquet
+
+    metadata = pyarrow.parquet.ParquetFile(file).metadata
+    groups = [metadata.row_group(i) for i in range(metadata.num_row_groups)]
+    return sum(g.column(i).total_uncompressed_size for g in groups for i in range(g.num_columns))
+
+
 def is_whole(path: Path, formats: Formats) -> bool:
     """Whether a file is one document: a text file, when no separator cuts it."""
     return format_of(path) == "text" and formats.separator is None
@@ -199,14 +263,27 @@ class _Stream:
     def read(self, size: int = -1) -> bytes:
         return self._reading(lambda: self.file.read(size))
 
+    @property
+    def closed(self) -> bool:  # with read, all pyarrow asks of a file it streams
+        return self.file.closed
+
     def blocks(self) -> Iterator[bytes]:
         """The file's bytes, :data:`BLOCK` at a time."""
         while block := self.read(BLOCK):
             yield block
 
+    def peek(self, size: int) -> bytes:
+        """Up to ``size`` of the bytes next read, left unread (as many as the file's first
+        piece holds, decompressed)."""
+        return self._reading(lambda: self.file.peek(size))[:size]
+
     def lines(self) -> Iterator[bytes]:
-        while line := self._reading(self.file.readline):
+        """The file's lines, the first without the UTF-8 byte order mark that Windows tools
+        write and JSON does not allow."""
+        line = self._reading(self.file.readline).removeprefix(codecs.BOM_UTF8)
+        while line:
             yield line
+            line = self._reading(self.file.readline)
 
     def seekable_file(self):
         """The file itself where it can seek; a compressed one decompressed to a temporary
@@ -231,7 +308,42 @@ def _zstd_open(path: Path, mode: str):
             raise ValueError(
                 f"{str(path)!r}: reading .zst files needs zstandard: {EXTRA}"
             ) from None
-    return io.BufferedReader(zstandard.open(path, mode))  # which reads lines
+    return io.BufferedReader(_ZstdFrames(path, zstandard))  # which reads lines
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A .zst file's bytes through zstandard, frame after frame. A file that ends inside a
+    frame is an EOFError, as in gzip, lzma and bz2 (zstandard's own reader ends there as if
+    the frame did)."""
+
+    def __init__(self, path: Path, zstandard):
+        self.file = open(path, "rb")  # noqa: SIM115 (closed with the reader)
+        self.frame = zstandard.ZstdDecompressor().decompressobj  # one decompressor a frame
+        self.decompressor = None  # the frame being read; None between frames
+        self.left = b""  # read past the end of a frame: the next one's start
+        self.held = memoryview(b"")  # decompressed, not yet read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.held:
+            data, self.left = self.left or self.file.read(ZSTD_PIECE), b""
+            if not data:
+                if self.decompressor is not None:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            self.decompressor = self.decompressor or self.frame()
+            self.held = memoryview(self.decompressor.decompress(data))
+            if self.decompressor.eof:
+                self.left, self.decompressor = self.decompressor.unused_data, None
+        size = min(len(buffer), len(self.held))
+        buffer[:size], self.held = self.held[:size], self.held[size:]
+        return size
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
 
 
 def _text(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Document]:
@@ -399,16 +511,14 @@ def _parquet(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Docu
 def _arrow(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Document]:
     pyarrow = _pyarrow(relative, ".arrow")
     try:
-        if stream.read(6) == b"ARROW1":  # the IPC file format, which seeks
-            stream.file.seek(0)
+        if stream.peek(6) == b"ARROW1":  # the IPC file format, read from its footer
             reader = pyarrow.ipc.open_file(stream.seekable_file())
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         else:  # the IPC stream format, as datasets.save_to_disk writes it
-            stream.file.seek(0)
-            reader = pyarrow.ipc.open_stream(stream.file)
+            reader = pyarrow.ipc.open_stream(stream)  # read as it is decompressed
             batches = iter(reader)
         column = _column(reader.schema, relative, formats)
         index = reader.schema.get_field_index(column)
         yield from _rows((batch.select([index]) for batch in batches), relative, formats)
-    except pyarrow.ArrowInvalid as error:
+    except (pyarrow.ArrowException, OSError) as error:  # pyarrow's own, of a short file
         raise ValueError(f"{relative}: not an Arrow file ({error})") from None

@@ -1,57 +1,130 @@
 """The recipe that fits the corpus: what ``--tokenizer auto`` becomes for a new run.
 
-It follows from how many times the run would read its training text with a BPE, its passes:
+It is settled once the run is resolved, on rank 0, from the opened corpus, and stored in
+``config.json`` (so every rank and every resume agree). The rule, in order:
 
-    passes = tokens the run trains on x BPE_BYTES_PER_TOKEN / bytes of the training split
+1. A ``--vocab-size`` above 256 asks for a BPE, and 256 for bytes: auto takes what it names.
+2. Otherwise it follows how many times the run would read its training text with a BPE:
 
-A run trains on ``steps x batch x length`` tokens, or with a ``--time-budget`` on
-:data:`TOKENS_PER_SECOND` times its seconds where that is fewer (the tiny preset's eager rate on
-two cores of an AVX-512 CPU, docs/training.md 'A recipe that fits the corpus'). ``auto`` is
-``bpe`` where a BPE run reads its text at most :data:`BPE_PASSES` times and ``bytes`` beyond:
-a small corpus read over and over is overfitted first through the BPE's rare tokens, and a
-byte model sees a third as much text per step. Where ``auto`` takes bytes and neither
-``--length`` nor ``--batch`` is given, the rows are :data:`BYTE_ROWS`: as many tokens a step,
-twice the context. A token folder of ``octlm prepare`` keeps its own tokenizer.
+       passes = tokens the run trains on x BPE_BYTES_PER_TOKEN / bytes of the training split
+
+   A run trains on ``steps x batch x length`` tokens (``--batch`` is the global batch, over
+   all ranks and ``--accumulate``), or with a ``--time-budget`` on its seconds times the
+   host's rate (:func:`tokens_per_second`) where that is fewer. ``auto`` is ``bpe`` where a
+   BPE run reads its text at most :data:`BPE_PASSES` times and ``bytes`` beyond: a small
+   corpus read over and over is overfitted first through the BPE's rare tokens, and a byte
+   model sees a third as much text per step.
+3. A BPE the training text cannot reach (too few distinct pairs to merge into its
+   vocabulary) is no choice: auto takes bytes instead (:func:`fallback`).
+
+Where auto takes bytes and neither ``--length`` nor ``--batch`` is given, the rows are
+:data:`BYTE_ROWS`: as many tokens a step, twice the context. Where no ``--length`` is given
+and the validation split is too short for one row, the rows shrink to fit it
+(:func:`fitted`). A token folder of ``octlm prepare`` keeps its own tokenizer.
 """
 
 from __future__ import annotations
 
-from octlm.progress import scaled
-from octlm.training import data, prepare
+import dataclasses
+import math
+import os
 
-TOKENS_PER_SECOND = 30_000
+from octlm.model import ModelConfig
+from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB
+from octlm.training.config import RunConfig, check_compatible
+
+TOKENS_PER_SECOND = 30_000  # the tiny preset's eager rate on two cores of an AVX-512 CPU
+RATE_VARIABLE = "OCTLM_TOKENS_PER_SECOND"  # pins the host's rate (tests, repeatable runs)
 BPE_BYTES_PER_TOKEN = 3.3
 BPE_PASSES = 4.0
 # The rows of a byte run that sets neither --length nor --batch: the default tokens a step,
 # in rows long enough to hold about as much text as a BPE row of 128 tokens.
 BYTE_ROWS = {"length": 256, "batch": 8}
+ROW_MULTIPLE = 8  # rows shrunk to fit a short validation split stay a multiple of this
 
 
-def training_bytes(run) -> tuple[int, str | None]:
-    """The bytes of the training split of ``run``'s corpus (estimated from file sizes), and
-    the tokenizer of a token folder (None for a corpus)."""
-    if prepare.is_prepared(run.data):
-        summary = data.read_summary(run.data)
-        return summary["train_bytes"], summary["tokenizer"]
-    root, glob = prepare.corpus_of(run)
-    found = data.Corpus.open(root, glob, run.val_share, prepare.formats_of(run))
-    return round(data.estimated_bytes(found) * (1 - run.val_share)), None
+def tokens_per_second() -> float:
+    """The rate a ``--time-budget`` run is expected to train at: ``$OCTLM_TOKENS_PER_SECOND``
+    where set, else :data:`TOKENS_PER_SECOND`."""
+    text = os.environ.get(RATE_VARIABLE)
+    if text is None:
+        return TOKENS_PER_SECOND
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"${RATE_VARIABLE} must be a positive number of tokens, got {text!r}")
+    return rate
 
 
-def passes(run, bytes_per_token: float, size: int) -> float:
-    """How many times ``run`` reads a training split of ``size`` bytes."""
-    tokens = run.batch * run.length * run.accumulate * (run.steps or float("inf"))
+def trained_tokens(run: RunConfig) -> float:
+    """The tokens ``run`` trains on: its steps' rows, or its budget's worth where fewer."""
+    tokens = run.batch * run.length * (run.steps or math.inf)
     if run.time_budget is not None:
-        tokens = min(tokens, TOKENS_PER_SECOND * run.budget_seconds)
-    return tokens * bytes_per_token / max(size, 1)
+        tokens = min(tokens, tokens_per_second() * run.budget_seconds)
+    return tokens
 
 
-def tokenizer_for(run) -> tuple[str, str]:
-    """The tokenizer ``--tokenizer auto`` stands for in ``run``, and why, in a few words."""
-    size, prepared = training_bytes(run)
-    if prepared is not None:
-        return prepared, f"the tokens of {run.data}"
-    over = passes(run, BPE_BYTES_PER_TOKEN, size)
+def passes(run: RunConfig, size: int) -> float:
+    """How many times ``run`` would read a training split of ``size`` bytes with a BPE."""
+    return trained_tokens(run) * BPE_BYTES_PER_TOKEN / max(size, 1)
+
+
+def tokenizer_for(run: RunConfig, model: ModelConfig, given: frozenset, size: int):
+    """The tokenizer ``--tokenizer auto`` stands for in ``run`` on a training split of about
+    ``size`` bytes, and why, with the figures of the rule."""
+    if "vocab_size" in given or model.vocab_size != BYTE_VOCAB:
+        name = "bytes" if model.vocab_size == BYTE_VOCAB else "bpe"
+        return name, f"--vocab-size {model.vocab_size} names it"
+    over = passes(run, size)
+    tokens = trained_tokens(run)
+    figures = (
+        f"{tokens:,.0f} tokens x {BPE_BYTES_PER_TOKEN} bytes / {size:,} bytes of training text"
+    )
     if over > BPE_PASSES:
-        return "bytes", f"BPE would read {scaled(size)}B {over:,.0f} times"
-    return "bpe", f"BPE reads {scaled(size)}B {over:,.1f} times"
+        return (
+            "bytes",
+            f"a BPE would read it {over:,.2f} times, more than {BPE_PASSES:g}: {figures}",
+        )
+    return "bpe", f"a BPE reads it {over:,.2f} times, at most {BPE_PASSES:g}: {figures}"
+
+
+def with_tokenizer(
+    model: ModelConfig, run: RunConfig, given: frozenset, tokenizer: str, vocab_size: int | None
+) -> tuple[ModelConfig, RunConfig, str]:
+    """``model`` and ``run`` for ``tokenizer`` (of ``vocab_size`` tokens; None: the default
+    for it): the vocabulary, and a byte run's rows where none were given; what changed."""
+    said = ""
+    follows = "max_length" not in given and model.max_length == run.length  # the default
+    if vocab_size is None and tokenizer == "bytes":
+        vocab_size = BYTE_VOCAB
+    elif vocab_size is None:  # a BPE of the vocabulary given, else of the default one
+        vocab_size = DEFAULT_BPE_VOCAB if model.vocab_size == BYTE_VOCAB else model.vocab_size
+    run = dataclasses.replace(run, tokenizer=tokenizer)
+    if tokenizer == "bytes" and not {"length", "batch"} & given:
+        run = dataclasses.replace(run, **BYTE_ROWS)
+        said = f"; rows of {run.batch} x {run.length} bytes"
+    model = dataclasses.replace(model, vocab_size=vocab_size)
+    if follows:
+        model = dataclasses.replace(model, max_length=run.length)
+    check_compatible(model, run)
+    return model, run, said
+
+
+def fitted(
+    model: ModelConfig, run: RunConfig, given: frozenset, val_tokens: int
+) -> tuple[ModelConfig, RunConfig, str]:
+    """Rows that fit a validation split of ``val_tokens`` (one row and its next-token target)
+    where no ``--length`` was given; what changed."""
+    if val_tokens > run.length or "length" in given:
+        return model, run, ""
+    length = val_tokens - 1
+    length = length // ROW_MULTIPLE * ROW_MULTIPLE or length
+    if length < 1:
+        return model, run, ""
+    if "max_length" not in given and model.max_length == run.length:
+        model = dataclasses.replace(model, max_length=length)
+    run = dataclasses.replace(run, length=length)
+    check_compatible(model, run)
+    return model, run, f"; rows of {length} tokens, as the validation split holds {val_tokens}"

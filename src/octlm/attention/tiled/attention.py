@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 class _TiledAttention(torch.autograd.Function):
     """Autograd through the block steps; saves query, key, value, output and the per-row shift
     and sum of the online softmax (docs/design.md, 'The numerics of the tiled core'). The
-    caller's tensors (``TENSORS``) come in one by one, so that autograd sees them, and join the
-    tensor-free ``rules`` here."""
+    caller's tensors (``OPTIONAL_TENSORS``) come in one by one, so that autograd sees them, and
+    join the tensor-free ``rules`` here."""
 
     @staticmethod
     def forward(
@@ -241,7 +241,7 @@ def tiled_call(
         softcap=call.softcap,
         block_mask=call.block_mask,
     )
-    tensors = [getattr(call, name) for name in TENSORS]
+    tensors = [getattr(call, name) for name in OPTIONAL_TENSORS]
     inputs = (call.query, call.key, call.value, *tensors)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
         out, lse = _TiledAttention.apply(*inputs, rules)
@@ -252,7 +252,7 @@ def tiled_call(
 
 
 # The caller's tensors that the autograd function takes, in its order.
-TENSORS = ("mask", "key_lengths", "key_starts", "document_ids", "alibi_slopes", "sinks")
+OPTIONAL_TENSORS = ("mask", "key_lengths", "key_starts", "document_ids", "alibi_slopes", "sinks")
 # Arguments only the plain-PyTorch blocks implement; kernel="auto" routes calls with them there.
 PYTORCH_ONLY = ("block_mask",)
 

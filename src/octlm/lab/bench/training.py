@@ -37,9 +37,14 @@ from octlm.lab.bench.decode import positive_int
 from octlm.lab.bench.timing import time_calls
 from octlm.model import OctLM
 from octlm.signals import run_stoppable
-from octlm.training import data, resolve
+from octlm.training import resolve
+from octlm.training.batches import Batches
+from octlm.training.corpus import Corpus, default_corpus
+from octlm.training.formats import DEFAULT_GLOB
 from octlm.training.metrics import METRICS, Metrics
 from octlm.training.optim import make_optimizer, make_scheduler
+from octlm.training.readers import find_files
+from octlm.training.tokens import load_tokens, write_tokens
 
 OUTPUT = str(records.LOCAL / "bench-training-cpu.jsonl")
 TOKENS_PER_STEP = 4096  # batch x length, the same at every length
@@ -55,10 +60,10 @@ PACKAGES = ("asyncio", "email", "http", "json", "logging", "unittest", "xml")
 
 def _corpus(folder: Path) -> Path:
     """The modules of :data:`PACKAGES`, one text file each."""
-    root, glob = data.default_corpus()
+    root, glob = default_corpus()
     corpus = folder / "corpus"
     for package in PACKAGES:
-        for document in data.find_documents(root / package, glob):
+        for document in find_files(root / package, glob):
             path = corpus / document.relative_to(root).with_suffix(".txt")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(document.read_bytes())
@@ -109,8 +114,8 @@ def _extras(model_config, run, corpus: Path, scratch: Path) -> dict:
     a busy machine where whole-loop timings do not.
     """
     tokens_folder = scratch / "tokens"
-    data.write_tokens(corpus, data.DEFAULT_GLOB, run.val_share, tokens_folder)
-    batches = data.Batches(data.load_tokens(tokens_folder, "train", run.length), run.length, 0)
+    write_tokens(Corpus.open(corpus, DEFAULT_GLOB, run.val_share), tokens_folder)
+    batches = Batches(load_tokens(tokens_folder, "train", run.length), run.length, 0)
     model = OctLM(model_config)
     for parameter in model.parameters():
         parameter.grad = torch.randn_like(parameter)

@@ -26,14 +26,14 @@ records), :mod:`~octlm.lab.verify.attention`, :mod:`~octlm.lab.verify.structure`
 summary).
 """
 
-from octlm.lab.verify.plan import DTYPES, FULL, QUICK, Plan, default_dtypes
+from octlm.lab.verify.plan import FULL, QUICK, TESTED_DTYPES, Plan, default_dtypes
 from octlm.lab.verify.runner import EXPERIMENTS, check_options, run, summary
 
 __all__ = [
-    "DTYPES",
     "EXPERIMENTS",
     "FULL",
     "QUICK",
+    "TESTED_DTYPES",
     "Plan",
     "check_options",
     "default_dtypes",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-DTYPES = {
+TESTED_DTYPES = {
     "float64": torch.float64,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

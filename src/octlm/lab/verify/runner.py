@@ -13,7 +13,7 @@ from tqdm import tqdm
 from octlm import records
 from octlm.lab.verify.attention import block_invariance, gradients, partial_outputs, tiled_vs_sdpa
 from octlm.lab.verify.model import decoding, model_equivalence, training
-from octlm.lab.verify.plan import DTYPES, FULL, Plan, default_dtypes
+from octlm.lab.verify.plan import FULL, TESTED_DTYPES, Plan, default_dtypes
 from octlm.lab.verify.structure import structure
 
 EXPERIMENTS: dict[str, Callable[[Plan, str, Sequence[torch.dtype]], Iterator[dict]]] = {
@@ -35,8 +35,8 @@ def check_options(device: str, dtypes: Sequence[str], experiments: Sequence[str]
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but this PyTorch sees no CUDA device")
     for name in dtypes:
-        if name not in DTYPES:
-            raise ValueError(f"dtype must be among {list(DTYPES)}, got {name!r}")
+        if name not in TESTED_DTYPES:
+            raise ValueError(f"dtype must be among {list(TESTED_DTYPES)}, got {name!r}")
     for name in experiments:
         if name not in EXPERIMENTS:
             raise ValueError(f"experiment must be among {list(EXPERIMENTS)}, got {name!r}")
@@ -56,7 +56,7 @@ def run(
 
         Every record of one call carries the same fresh ``run`` id, so a report over a folder
         that holds several runs counts only each experiment's latest. Returns every record and
-        the files written. ``dtypes`` (names in :data:`DTYPES`) default to
+        the files written. ``dtypes`` (names in :data:`TESTED_DTYPES`) default to
         :func:`default_dtypes`; ``experiments`` to all of :data:`EXPERIMENTS`, in order (a name
     given twice runs once). Every
         file is checked writable before the first check runs (``ValueError`` if not).
@@ -78,7 +78,7 @@ def run(
             desc=experiment, unit=" checks", file=sys.stderr, disable=None if progress else True
         )
         with bar:
-            for fields in EXPERIMENTS[experiment](plan, device, [DTYPES[d] for d in dtypes]):
+            for fields in EXPERIMENTS[experiment](plan, device, [TESTED_DTYPES[d] for d in dtypes]):
                 record = records.make("verify", experiment, device, run=run_id, **fields)
                 records.append(path, record)
                 found.append(record)
