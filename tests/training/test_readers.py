@@ -262,13 +262,20 @@ def documents(path: Path, formats: Formats | None = None) -> list[bytes]:
 
 @pytest.mark.parametrize("suffix", COMPRESSIONS)
 def test_a_compressed_file_cut_short_is_an_error_naming_it(tmp_path, suffix):
-    """A shard that ends inside its compressed stream is refused, never read as a shorter
-    corpus: zstandard's own reader would give the first 200 of these 1,000 records."""
-    file = write_compressed(tmp_path / f"c.jsonl{suffix}", jsonl([f"r {i}" * 40 for i in range(1000)]))
+    """A shard that ends inside its compressed stream is refused naming it, never read as a
+    shorter one (zstandard's own reader gives the blocks it holds whole, as if the file ended
+    there)."""
+    file = write_compressed(
+        tmp_path / f"c.jsonl{suffix}", jsonl([f"r {i}" * 40 for i in range(1000)])
+    )
     file.write_bytes(file.read_bytes()[: file.stat().st_size * 2 // 3])
-    with pytest.raises(ValueError, match=rf"c.jsonl{suffix} \({suffix[1:]}-compressed\): cannot be read"):
+    with pytest.raises(
+        ValueError, match=rf"c.jsonl{suffix} \({suffix[1:]}-compressed\): cannot be read"
+    ):
         write_tokens(file, "*", 0.1, tmp_path / "t")
-    with pytest.raises(ValueError, match=rf"c.jsonl{suffix} \({suffix[1:]}-compressed\): cannot be read"):
+    with pytest.raises(
+        ValueError, match=rf"c.jsonl{suffix} \({suffix[1:]}-compressed\): cannot be read"
+    ):
         readers.text_length(file)
 
 
@@ -305,9 +312,11 @@ def test_a_compressed_arrow_file_reads_as_the_plain_one_in_both_layouts(tmp_path
 @pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
 @pytest.mark.parametrize("layout", ["stream", "file"])
 def test_a_damaged_arrow_file_is_an_error_naming_it(tmp_path, layout, suffix):
+    """An Arrow file cut short, plain or compressed, is refused naming it (pyarrow says an IPC
+    stream a third long is an OSError, a file an ArrowInvalid)."""
     pa = pytest.importorskip("pyarrow")
     payload = arrow_bytes(pa.table({"text": RECORDS}), layout)
-    file = write_compressed(tmp_path / f"d.arrow{suffix}", payload[: len(payload) // 2])
+    file = write_compressed(tmp_path / f"d.arrow{suffix}", payload[: len(payload) // 3])
     with pytest.raises(ValueError, match=rf"^d.arrow{suffix}\b"):
         documents(file)
 

@@ -126,26 +126,40 @@ def format_of(path: Path) -> str:
 
 
 def estimated_text(path: Path, size: int) -> int:
-    """About how many bytes of text a corpus file of ``size`` bytes on disk holds, from the few
-    bytes where its container records it: a compressed file's length decompressed (gzip: its
-    last member's, which the trailer keeps modulo 4 GiB, so plus the multiple of 4 GiB that
-    brings it nearest 4 times ``size``; zstd: its first frame's content size; xz: the sum of
-    its last stream's blocks), a Parquet file's column chunks before compression. Where the
-    container records none (bz2, a zstd frame written as a stream), cannot be read (the reader
-    says why) or records less than ``size`` (a text is never shorter than its compressed file:
-    one of several members or frames), 4 times ``size``; an uncompressed file other than
-    Parquet, ``size``."""
+    """About how many bytes of text a corpus file of ``size`` bytes on disk holds.
+
+    An uncompressed file other than Parquet: ``size``. A compressed or Parquet file: the length
+    its container records, read from a few bytes of it:
+
+    - gzip: the trailer's length of the last member, kept modulo 4 GiB (plus the multiple of
+      4 GiB that brings it nearest 4 times ``size``; never over 1032 times, deflate's limit);
+    - zstd: the first frame's content size, where its header holds one;
+    - xz: the sum of the uncompressed sizes in the last stream's index;
+    - Parquet: the sum of its column chunks' sizes before compression, every column's.
+
+    Where none is recorded (bz2), it cannot be read (the reader says why) or it is below
+    ``size`` (a text is never shorter than its compressed file: the last of several members,
+    the first of several frames), 4 times ``size``.
+    """
     compression = compression_of(path)
     if compression is None and format_of(path) != "parquet":
         return size
-    recorded = {".gz": _gzip_length, ".zst": _zstd_length, ".xz": _xz_length}
-    length = recorded.get(compression, _parquet_length if compression is None else None)
+    found = _recorded_length(path, size, compression)
+    return found if found is not None and found >= size else 4 * size
+
+
+def _recorded_length(path: Path, size: int, compression: str | None) -> int | None:
+    """The length a compressed file's container records (``compression`` None: a Parquet
+    file's columns before compression); None where none is recorded or it cannot be read."""
+    lengths = {".gz": _gzip_length, ".zst": _zstd_length, ".xz": _xz_length}
+    length = lengths.get(compression) if compression else _parquet_length
+    if length is None:
+        return None
     try:
         with open(path, "rb") as file:
-            found = length(file, size) if length else None
-    except (OSError, ValueError, ImportError):  # a damaged file, or no pyarrow
-        found = None
-    return found if found is not None and found >= size else 4 * size
+            return length(file, size)
+    except Exception:  # a damaged file, or no pyarrow: an estimate, which the reader checks
+        return None
 
 
 def _gzip_length(file, size: int) -> int | None:
@@ -273,8 +287,8 @@ class _Stream:
             yield block
 
     def peek(self, size: int) -> bytes:
-        """Up to ``size`` of the bytes next read, left unread (as many as the file's first
-        piece holds, decompressed)."""
+        """The next ``size`` bytes, left to be read (fewer at the end of the file, or where a
+        compressed file's next piece decompresses to fewer)."""
         return self._reading(lambda: self.file.peek(size))[:size]
 
     def lines(self) -> Iterator[bytes]:
@@ -318,7 +332,8 @@ class _ZstdFrames(io.RawIOBase):
 
     def __init__(self, path: Path, zstandard):
         self.file = open(path, "rb")  # noqa: SIM115 (closed with the reader)
-        self.frame = zstandard.ZstdDecompressor().decompressobj  # one decompressor a frame
+        context = zstandard.ZstdDecompressor()
+        self.frame = lambda: context.decompressobj(read_across_frames=False)  # one a frame
         self.decompressor = None  # the frame being read; None between frames
         self.left = b""  # read past the end of a frame: the next one's start
         self.held = memoryview(b"")  # decompressed, not yet read
@@ -333,7 +348,8 @@ class _ZstdFrames(io.RawIOBase):
                 if self.decompressor is not None:
                     raise EOFError("the file ends inside a zstd frame")
                 return 0
-            self.decompressor = self.decompressor or self.frame()
+            if self.decompressor is None:
+                self.decompressor = self.frame()
             self.held = memoryview(self.decompressor.decompress(data))
             if self.decompressor.eof:
                 self.left, self.decompressor = self.decompressor.unused_data, None
