@@ -24,7 +24,7 @@ import torch
 from octlm import records
 from octlm.model import ModelConfig, OctLM
 from octlm.training.allocator import keep_freed_memory
-from octlm.training.config import DTYPES, PRESETS
+from octlm.training.config import PRESETS, TRAINING_DTYPES
 from octlm.training.loop import _summed_loss
 from octlm.training.optim import make_optimizer
 from octlm.training.precision import resolve_dtype
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("runs/checks/step_parts.jsonl"))
     args = parser.parse_args()
     keep_freed_memory()
-    dtype = DTYPES[resolve_dtype(args.dtype, torch.device("cpu"))]
+    dtype = TRAINING_DTYPES[resolve_dtype(args.dtype, torch.device("cpu"))]
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (BATCH, LENGTH + 1), generator=generator)  # (B, T+1)
     record = records.make("check", "step-parts", preset=args.preset, vocab=args.vocab)

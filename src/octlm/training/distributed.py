@@ -18,6 +18,7 @@ State goes in and out as full, unsharded dicts keyed by parameter name
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -146,7 +147,18 @@ def setup(device: str | None, *, fsdp: bool, context_parallel: bool) -> Cluster:
 
 
 def teardown(cluster: Cluster) -> None:
+    """Destroy the process group this run initialised; call it once the run's wrappers of the
+    model are dropped (:meth:`octlm.training.loop.Training.unwrap`).
+
+    DDP's reducer holds the group from C++ and, were it the last holder, would destroy the
+    group without releasing the GIL. The group's destructor joins gloo's worker threads, and
+    one of them may still be freeing the tensors of the last collective, for which it needs
+    the GIL: the process would hang at exit. So the wrappers go first, a collection frees any
+    left in a reference cycle while the group lives, and the last holder is the group's own
+    Python object, whose destructor releases the GIL.
+    """
     if cluster.owns_group and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

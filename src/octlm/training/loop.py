@@ -135,6 +135,7 @@ def train(
     compiles, chosen["compile"] = compiles_here(run, cluster.device)
     run = replace(run, compile="on" if cluster.share(compiles) else "off")
     folder = Path(out)
+    state = None
     try:
         with signals.stop_on_signals(STOPPING) as stop, run_folder.hold(folder, cluster):
             _check_run(model_config, run, cluster)
@@ -147,6 +148,8 @@ def train(
             state = Training.build(model_config, run, folder, cluster, clock, resume)
             return _loop(state, summary, resume, progress, stop, chosen)
     finally:
+        if state is not None:  # DDP's reducer holds the process group: it goes first
+            state.unwrap()
         distributed.teardown(cluster)
 
 
@@ -424,6 +427,11 @@ class Training:
         if compiling and self.cluster.world > 1:  # DDP, FSDP: dynamo splits at their buckets
             self.model, compiling = torch.compile(self.model), False
         self.loss = CompiledLoss(_summed_loss, on=compiling, device=self.cluster.device)
+
+    def unwrap(self) -> None:
+        """Let go of what :meth:`launch` wrapped, before the process group is destroyed
+        (:func:`octlm.training.distributed.teardown` says why)."""
+        self.model = self.loss = None
 
     def step(self, batch: Batch) -> tuple[Tensor, Tensor, float]:
         """One optimizer step on this rank's part of the global ``batch`` (B, T), then the
