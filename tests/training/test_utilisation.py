@@ -4,13 +4,16 @@ products, and the peak measured once a machine and cached."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from octlm.lab.report import write_report
 from octlm.model import ModelConfig, OctLM
-from octlm.training import utilisation
+from octlm.training import train, utilisation
+from tests.training_helpers import configs, read_metrics
 
 
 @pytest.mark.parametrize(
@@ -72,3 +75,18 @@ def test_a_measured_peak_is_a_rate_of_products():
     """The measurement itself: a positive rate, below what two cores could do at 100 GHz."""
     rate = utilisation.measure_peak(torch.device("cpu"), "float32")
     assert 1e8 < rate < 2 * 100e9 * 64
+
+
+def test_every_step_record_and_the_report_give_the_share_of_peak(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv(utilisation.PEAK_VARIABLE, "2e9")
+    model_config, run = configs(corpus)
+    train(model_config, run, tmp_path / "run", progress=False)
+    steps = read_metrics(tmp_path / "run", "train_step")
+    flops = utilisation.flops_per_token(model_config, run.length)
+    for record in steps:
+        assert record["model_flops_per_second"] == pytest.approx(
+            record["tokens_per_second"] * flops
+        )
+        assert record["mfu"] == pytest.approx(record["tokens_per_second"] * flops / 2e9)
+    report = write_report([str(tmp_path / "run")], tmp_path / "report.md")
+    assert "of the machines' peak (MFU)" in Path(report).read_text()

@@ -69,6 +69,7 @@ from octlm.training.metrics import (
 from octlm.training.optim import make_optimizer, make_scheduler
 from octlm.training.precision import AUTO, resolve_dtype
 from octlm.training.sample import generate_text
+from octlm.training.utilisation import flops_per_token, peak
 
 LN2 = math.log(2)
 # Ctrl-C, and a closed terminal or ssh session, end a run after its step as SIGTERM does.
@@ -146,6 +147,9 @@ def train(
             )
             _check_run(model_config, run, cluster)  # as auto settled it
             state = Training.build(model_config, run, folder, cluster, clock, resume)
+            # the machines' peak, measured (once a host, then cached) before the clock starts
+            peaks = cluster.gather(peak(cluster.device, run.dtype))
+            chosen["peak"] = None if None in peaks else sum(peaks)
             return _loop(state, summary, resume, progress, stop, chosen)
     finally:
         if state is not None:  # DDP's reducer holds the process group: it goes first
@@ -164,6 +168,7 @@ def _loop(
     bar = Progress(
         "training", run.steps, " steps", initial=start, enabled=progress and cluster.is_main
     )
+    flops = flops_per_token(state.model_config, run.length)
     began, tokens_seen = time.perf_counter(), 0
     last_eval, evaluated, stopped_by, step, early = None, None, None, start, False
     stopwatch.start()
@@ -183,6 +188,7 @@ def _loop(
         if step % run.log_every == 0 or final:
             train_loss = cluster.total(loss).item()
             rate = tokens_seen / (time.perf_counter() - began)
+            share = {} if chosen["peak"] is None else {"mfu": rate * flops / chosen["peak"]}
             metrics.write(
                 "train_step",
                 step=step,
@@ -191,10 +197,15 @@ def _loop(
                 grad_norm=grad_norm.item(),
                 bits_per_byte=train_loss * state.tokens_per_byte([batch]) / LN2,
                 tokens_per_second=rate,
+                model_flops_per_second=rate * flops,
+                **share,
                 train_seconds=stopwatch.elapsed,
                 **peak_memory(cluster.device),
             )
-            bar.show(loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}", **_budget(run, stopwatch))
+            mfu = {"mfu": f"{100 * share['mfu']:.0f}%"} if share else {}
+            bar.show(
+                loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}", **mfu, **_budget(run, stopwatch)
+            )
             began, tokens_seen = time.perf_counter(), 0
         # Before the evaluation: an evaluation that fails (memory, a full disk) loses no step.
         saved = step % run.checkpoint_every == 0 or final
@@ -684,6 +695,13 @@ def _announce(
         f"batch {run.batch} x {run.length} tokens{', packed' if run.pack else ''}, "
         f"steps {start + 1}..{run.steps or ''}"
         + (f", time budget {_as_given(run.time_budget)}" if run.time_budget else "")
+    )
+    flops = flops_per_token(model_config, run.length)
+    peak_said = "not measured" if chosen["peak"] is None else f"{chosen['peak'] / 1e9:,.1f} GFLOP/s"
+    print(
+        f"{flops / 1e6:,.2f} MFLOP per token; the machines' peak in {run.dtype} on "
+        f"{torch.get_num_threads()} thread(s) a process: {peak_said} (MFU is their ratio: "
+        "docs/benchmarks.md, 'Share of peak')"
     )
 
 

@@ -8,6 +8,8 @@ of two kinds:
 - ``"kind": "train_step"``: ``step`` (optimizer steps done), ``loss`` (that step's, over the
   whole global batch, in nats per token), ``bits_per_byte`` (the same loss over the bytes its
   targets stand for), ``lr``, ``grad_norm``, ``tokens_per_second`` (since the last record),
+  ``model_flops_per_second`` (those tokens' FLOPs, :mod:`octlm.training.utilisation`) and
+  ``mfu`` (their share of the machines' peak; absent where no peak was measured),
   ``train_seconds`` (training time so far, over every launch, evaluations excluded: what a
   time budget spends), ``memory_metric`` and ``peak_bytes``;
 - ``"kind": "eval"``: ``step``, ``loss`` (that step's training loss), ``val_loss`` (nats per

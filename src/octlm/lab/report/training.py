@@ -60,6 +60,10 @@ def _run(source: Path, group: list[dict], output: Path, number: int | None) -> l
     summary += f" in {seconds(spent)} of training" if spent is not None else ""
     summary += f", {launches} launches (resumed)" if launches > 1 else ""
     summary += f"; median {statistics.median(speeds):,.0f} tokens/s" if speeds else ""
+    shares = [r["mfu"] for r in steps if _number(r, "mfu")]
+    summary += (
+        f", {100 * statistics.median(shares):.1f}% of the machines' peak (MFU)" if shares else ""
+    )
     if evals and _number(evals[-1], "val_bits_per_byte"):
         final = evals[-1]
         summary += (
@@ -101,11 +105,12 @@ def _run(source: Path, group: list[dict], output: Path, number: int | None) -> l
             _show(r, "lr", ".3g"),
             _show(r, "grad_norm", ".3g"),
             _show(r, "tokens_per_second", ",.0f"),
+            f"{100 * r['mfu']:.1f}%" if _number(r, "mfu") else "",
         ]
         for r in shown
     ]
     header = ["Step", "Training seconds", "Loss (nats/token)", "Learning rate", "Grad norm"]
-    lines += table([*header, "Tokens/s"], body)
+    lines += table([*header, "Tokens/s", "MFU"], body)
     lines += ["### Configuration", "", *_config(folder / CONFIG)]
     return lines
 
