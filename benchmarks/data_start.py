@@ -1,5 +1,5 @@
 """How long the data path takes to start: ``octlm prepare`` (fresh, then up to date) and a new
-``octlm train --steps 1`` run (a BPE that ``--tokenizer auto`` settles, to its first step and
+``octlm train --steps 1`` run (a BPE of 512 tokens, to its first step and
 out), on a corpus of many small JSON Lines files and on one of many records with empty text.
 
     .venv/bin/python benchmarks/data_start.py [--rounds 3] [--files 20000] [--records 200000]
@@ -29,7 +29,7 @@ from pathlib import Path
 from octlm import records
 
 TINY = ["--width", "16", "--n-layers", "1", "--n-heads", "2", "--length", "16", "--batch", "4"]
-TINY += ["--eval-batches", "1", "--sample-tokens", "0", "--vocab-size", "512"]
+TINY += ["--eval-batches", "1", "--sample-tokens", "0", "--tokenizer", "bpe", "--vocab-size", "512"]
 
 
 def write_corpora(root: Path, files: int, empty_records: int) -> dict[str, Path]:
@@ -91,7 +91,7 @@ def main() -> None:
                     shutil.rmtree(tokens, ignore_errors=True)
                     shutil.rmtree(run, ignore_errors=True)
                     prepare = ["prepare", "--data", str(corpus), "--out", str(tokens)]
-                    prepare += ["--vocab-size", "512"]
+                    prepare += ["--tokenizer", "bpe", "--vocab-size", "512"]
                     train = ["train", "--data", str(corpus), "--out", str(run), "--steps", "1"]
                     for what, command in (
                         ("prepare fresh", prepare),

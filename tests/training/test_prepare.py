@@ -250,7 +250,7 @@ def test_a_prepare_killed_at_its_swap_leaves_a_folder_the_next_one_restores(
     corpus = write_jsonl_gz(tmp_path / "c.jsonl.gz")
     args = ["prepare", "--data", str(corpus), "--out", str(tmp_path / "tok")]
     args += ["--tokenizer", "bytes"]
-    assert octlm(*args).returncode == 0
+    assert main(args) == 0
     old = folder_state(tmp_path / "tok")
     write_jsonl_gz(tmp_path / "c.jsonl.gz", RECORDS[:300])
     renames = 4 + 1  # the four token files and data.json, then the two of the swap
@@ -264,8 +264,7 @@ def test_a_prepare_killed_at_its_swap_leaves_a_folder_the_next_one_restores(
     if (tmp_path / "tok").exists():
         assert folder_state(tmp_path / "tok") == old or prepare.is_prepared(tmp_path / "tok")
     assert prepare.is_prepared(tmp_path / "tok")  # restored where the kill left none
-    again = octlm(*args)
-    assert again.returncode == 0, again.stderr
+    assert main(args) == 0
     summary = read_summary(tmp_path / "tok")
     assert summary["train_documents"] + summary["val_documents"] == 300
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl.gz", "tok"]

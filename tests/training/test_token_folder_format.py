@@ -36,3 +36,17 @@ def test_a_corpus_prepares_into_the_files_of_ea5e4b0(tmp_path, name, flags):
             assert [f[:2] for f in now["files"]] == [f[:2] for f in then["files"]]
         else:
             assert (out / file).read_bytes() == (FIXTURE / name / file).read_bytes(), file
+
+
+def test_a_token_folder_of_ea5e4b0_trains_and_resumes(tmp_path):
+    """``octlm train --data`` a token folder written by ea5e4b0: auto takes its BPE, and the
+    run resumes."""
+    tokens = shutil.copytree(FIXTURE / "bpe", tmp_path / "tokens")
+    out = tmp_path / "run"
+    command = ["train", "--data", str(tokens), "--out", str(out), "--width", "16"]
+    command += ["--n-layers", "1", "--n-heads", "2", "--length", "16", "--batch", "4"]
+    command += ["--eval-batches", "1", "--sample-tokens", "4", "--dtype", "float32"]
+    assert main([*command, "--steps", "2"]) == 0
+    stored = json.loads((out / "config.json").read_text())
+    assert (stored["run"]["tokenizer"], stored["model"]["vocab_size"]) == ("bpe", 300)
+    assert main([*command, "--steps", "3", "--resume"]) == 0
