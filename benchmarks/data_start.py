@@ -100,21 +100,19 @@ def main() -> None:
                     ):
                         seconds = timed(command, codes[code])
                         found.setdefault((corpus_name, what, code), []).append(seconds)
-                        records.append(
-                            args.output,
-                            {
-                                "benchmark": "data_start",
-                                "corpus": corpus_name,
-                                "files": args.files,
-                                "records": args.records,
-                                "what": what,
-                                "code": code,
-                                "round": round_,
-                                "seconds": seconds,
-                                "command": "octlm " + " ".join(command),
-                                **records.machine(),
-                            },
+                        record = records.make(
+                            "check",
+                            "data-start",
+                            corpus=corpus_name,
+                            files=args.files,
+                            records=args.records,
+                            what=what,
+                            code=code,
+                            round=round_,
+                            seconds=seconds,
+                            command="octlm " + " ".join(command),
                         )
+                        records.append(args.output, record)
     for (corpus_name, what, code), seconds in sorted(found.items()):
         print(
             f"{corpus_name:14} {what:20} {code:6} median {statistics.median(seconds):6.2f} s "

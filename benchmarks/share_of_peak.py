@@ -62,9 +62,9 @@ def main() -> None:
         for dtype in args.dtypes:
             for compile in ("off", "on"):
                 found = cell(preset, dtype, compile, args)
-                record = {"benchmark": "share_of_peak", "preset": preset, "dtype": dtype}
+                record = records.make("check", "share-of-peak", preset=preset, dtype=dtype)
                 record |= {"compile": compile, "steps": args.steps, **found}
-                records.append(args.output, record | records.machine())
+                records.append(args.output, record)
                 share = "-" if found["mfu"] is None else f"{100 * found['mfu']:.1f}%"
                 print(
                     f"{preset:6} {dtype:9} compile {compile:3}: "

@@ -46,6 +46,7 @@ def test_a_token_folder_of_ea5e4b0_trains_and_resumes(tmp_path):
     command = ["train", "--data", str(tokens), "--out", str(out), "--width", "16"]
     command += ["--n-layers", "1", "--n-heads", "2", "--length", "16", "--batch", "4"]
     command += ["--eval-batches", "1", "--sample-tokens", "4", "--dtype", "float32"]
+    command += ["--val-share", "0.2"]  # the folder's
     assert main([*command, "--steps", "2"]) == 0
     stored = json.loads((out / "config.json").read_text())
     assert (stored["run"]["tokenizer"], stored["model"]["vocab_size"]) == ("bpe", 300)
