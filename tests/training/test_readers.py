@@ -378,3 +378,17 @@ def test_the_text_estimate_is_four_times_a_file_it_cannot_read_the_length_of(
     is 4 times the file's size, and says nothing of the damage (the reader does)."""
     (tmp_path / name).write_bytes(payload)
     assert readers.estimated_text(tmp_path / name, len(payload)) == 4 * len(payload)
+
+
+def test_a_parquet_file_damaged_past_its_footer_is_an_error_naming_it(tmp_path):
+    """Bytes of a row group overwritten (the footer intact): an error that names the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"text": [f"record {i} " * 40 for i in range(200)]})
+    pq.write_table(table, tmp_path / "p.parquet", compression="none")
+    data = bytearray((tmp_path / "p.parquet").read_bytes())
+    data[8:2000] = b"\xff" * 1992
+    (tmp_path / "p.parquet").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"^p\.parquet: "):
+        write_tokens(tmp_path / "p.parquet", "*", 0.1, tmp_path / "t")

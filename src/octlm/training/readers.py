@@ -521,7 +521,10 @@ def _parquet(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Docu
     except pyarrow.ArrowInvalid as error:
         raise ValueError(f"{relative}: not a Parquet file ({error})") from None
     column = _column(table.schema_arrow, relative, formats)
-    yield from _rows(table.iter_batches(ROWS, columns=[column]), relative, formats)
+    try:
+        yield from _rows(table.iter_batches(ROWS, columns=[column]), relative, formats)
+    except (pyarrow.ArrowException, OSError) as error:  # a damaged page or row group
+        raise ValueError(f"{relative}: not a Parquet file ({error})") from None
 
 
 def _arrow(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Document]:
