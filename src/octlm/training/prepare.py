@@ -112,7 +112,7 @@ def make_tokens(
             settled, run, rows = recipe.with_tokenizer(model, run, given, "bytes", None)
     summary = tokenize(found, data_folder, tokenizer, progress=progress)
     if learned is not None:
-        note_bpe(summary, data_folder, run.tokenizer_sample, learned)
+        _note_bpe(summary, data_folder, run.tokenizer_sample, learned)
         tokenizer.save(tokenizer_folder)
     if auto:
         settled, run, fit = recipe.fitted(settled, run, given, summary["val_tokens"])
@@ -153,7 +153,7 @@ def tokenize(
         return tokens.write_tokens(found, data_folder, tokenizer, bar.update)
 
 
-def note_bpe(summary: dict, data_folder: Path, sample: int, learned: int) -> None:
+def _note_bpe(summary: dict, data_folder: Path, sample: int, learned: int) -> None:
     """Record in ``data_folder``'s data.json how much text the BPE of ``summary`` learned from."""
     summary["tokenizer_sample"] = sample
     summary["tokenizer_learned_bytes"] = learned
