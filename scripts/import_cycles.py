@@ -32,14 +32,14 @@ DOORS = ("octlm.cli", "octlm.__main__")
 LAYERS = (
     (
         "octlm.equality", "octlm.files", "octlm.machine", "octlm.records", "octlm.memory",
-        "octlm.signals", "octlm.progress", "octlm.context_parallel",
+        "octlm.signals", "octlm.progress", "octlm.context_parallel", "octlm.chatml",
     ),
     ("octlm.attention",),
     ("octlm.tokenizer",),
     ("octlm.integrations",),
     ("octlm.model",),
     ("octlm.training",),
-    ("octlm.export",),
+    ("octlm.export", "octlm.chat"),
     ("octlm.lab",),
     ("octlm", "octlm.cli", "octlm.__main__"),
 )  # fmt: skip

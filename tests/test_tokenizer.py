@@ -135,11 +135,36 @@ def test_a_bpe_from_before_the_end_token_still_loads(bpe, tmp_path):
     old = load_tokenizer(tmp_path)
     assert (old.end_token, old.vocab_size) == (None, VOCAB - 1)
     assert all(old.encode(text) == bpe.encode(text) for text in training_texts())
-    spec["added_tokens"] = [
-        {**json.loads(bpe._tokenizer.to_str())["added_tokens"][0], "content": "<pad>"}
-    ]
+
+
+def test_special_tokens_stand_for_no_bytes_and_plain_added_tokens_are_refused(bpe, tmp_path):
+    """A special token other than the end of text (a chat or padding token of a transformers
+    folder) is read as such; an added token that is not special would be matched in the text,
+    so the tokenizer is refused, naming the field."""
+    spec = json.loads(bpe._tokenizer.to_str())
+    spec["added_tokens"] = [{**spec["added_tokens"][0], "content": "<pad>"}]
+    spec["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
     (tmp_path / TOKENIZER_FILE).write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=r"check added_tokens.*other than the one special"):
+    padded = load_tokenizer(tmp_path)
+    assert padded.special_ids == {"<pad>": VOCAB - 1} and padded.end_token is None
+    assert padded.decode([VOCAB - 1]) == b"" and padded.name == "bpe"
+    assert all(padded.encode(text) == bpe.encode(text) for text in training_texts())
+    spec["added_tokens"][0]["special"] = False
+    (tmp_path / TOKENIZER_FILE).write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"check added_tokens.*not special \(\['<pad>'\]\)"):
+        load_tokenizer(tmp_path)
+    spec["added_tokens"][0]["special"] = True
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "<pad>", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<pad>": {"id": "<pad>", "ids": [VOCAB - 1], "tokens": ["<pad>"]}},
+    }
+    (tmp_path / TOKENIZER_FILE).write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"check post_processor.*adds tokens"):
         load_tokenizer(tmp_path)
 
 

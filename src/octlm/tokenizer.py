@@ -54,6 +54,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from octlm.chatml import CHAT_TOKENS
+
 NAMES = ("bytes", "bpe")
 BYTE_VOCAB = 256
 DEFAULT_BPE_VOCAB = 4096
@@ -133,6 +135,7 @@ class ByteTokenizer:
     name = "bytes"
     vocab_size = BYTE_VOCAB
     end_token = None  # see the module docstring: a byte run has no end-of-text token
+    special_ids: dict[str, int] = {}  # noqa: RUF012 (read only)
 
     def encode(self, data: bytes) -> list[int]:
         return list(_checked_data(data))
@@ -160,8 +163,6 @@ class ByteTokenizer:
 class BPETokenizer:
     """Byte-level BPE over a ``tokenizers.Tokenizer`` (see the module docstring)."""
 
-    name = "bpe"
-
     def __init__(self, tokenizer, where: str = "the tokenizer"):
         spec = json.loads(tokenizer.to_str())
         _check_byte_level(spec, where)
@@ -171,6 +172,10 @@ class BPETokenizer:
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.end_token: int | None = tokenizer.token_to_id(END_OF_TEXT)  # id, or None
+        # its special tokens (the end of text, chat tokens), which stand for no bytes
+        self.special_ids = {
+            token["content"]: token["id"] for token in spec.get("added_tokens") or []
+        }
         vocabulary = tokenizer.get_vocab()  # symbols -> id
         if sorted(vocabulary.values()) != list(range(self.vocab_size)):
             raise ValueError(f"{where}: its ids are not 0..{self.vocab_size - 1}, one each")
@@ -191,11 +196,14 @@ class BPETokenizer:
         value = {symbol: byte for byte, symbol in enumerate(symbols)}
         self._pieces = [b""] * self.vocab_size  # id -> the bytes it stands for
         for token, index in vocabulary.items():
+            if token in self.special_ids:
+                continue
             if not all(character in value for character in token):
                 raise ValueError(f"{where}: token {token!r} is not made of byte symbols")
             self._pieces[index] = bytes(value[character] for character in token)
-        if self.end_token is not None:
-            self._pieces[self.end_token] = b""  # the end of a text stands for no bytes
+        # bytes: no merges, and each byte's id its value (a byte run given chat tokens)
+        plain = self.vocab_size - len(self.special_ids) == BYTE_VOCAB
+        self.name = "bytes" if plain and self._byte_ids == list(range(BYTE_VOCAB)) else "bpe"
 
     @classmethod
     def train(cls, texts: Iterable[bytes], vocab_size: int) -> BPETokenizer:
@@ -305,6 +313,38 @@ class BPETokenizer:
             raise
 
 
+def byte_level_tokenizer():
+    """A ``tokenizers.Tokenizer`` whose ids are the UTF-8 bytes of any text (a BPE of the 256
+    byte symbols, id each byte's value, and no merges), which decodes them back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocabulary = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def with_chat_tokens(tokenizer: ByteTokenizer | BPETokenizer) -> BPETokenizer:
+    """``tokenizer`` with the chat tokens it lacks (:data:`octlm.chatml.CHAT_TOKENS`) added as
+    special tokens after its last id; itself when it has them all.
+
+    A byte tokenizer becomes the 256 bytes (each id its byte's value) and the chat tokens, ids
+    256 and up, kept in a ``tokenizer.json`` of its own and still named ``bytes``.
+    """
+    from tokenizers import Tokenizer
+
+    missing = [token for token in CHAT_TOKENS if token not in tokenizer.special_ids]
+    if not missing:
+        return tokenizer
+    if isinstance(tokenizer, ByteTokenizer):
+        inner = byte_level_tokenizer()
+    else:
+        inner = Tokenizer.from_str(tokenizer._tokenizer.to_str())
+    inner.add_special_tokens(missing)  # ids from the vocabulary's size up
+    return BPETokenizer(inner)
+
+
 def text_pieces(chunks: Iterable[bytes], size: int | None = PIECE) -> Iterator[str]:
     """The text of the bytes in ``chunks`` (bytes that are not UTF-8 as surrogate escapes), in
     pieces of about ``size`` characters cut where :data:`CUT` allows (None: whole)."""
@@ -343,12 +383,13 @@ def _valid_runs(data: bytes) -> list[str]:
 def _check_byte_level(spec: dict, where: str) -> None:
     """Raise ValueError unless ``spec`` (a tokenizer.json) is a byte-level BPE whose ids are
     those of its own ``encode``, naming each field that keeps it from being one: a BPE model,
-    no normaliser, no added or special tokens, a ByteLevel pre-tokenizer without prefix space
-    and a ByteLevel decoder. The one special token allowed is :data:`END_OF_TEXT`."""
+    no normaliser, no added tokens but special ones, a ByteLevel pre-tokenizer without prefix space
+    and a ByteLevel decoder. Added tokens must be special (the end of text, chat tokens), and a
+    post-processor may only be ByteLevel's, which adds none."""
     pre = spec.get("pre_tokenizer") or {}
-    added = [
-        {key: t.get(key) for key in ("content", "special")} for t in spec.get("added_tokens") or []
-    ]
+    plain_added = [t.get("content") for t in spec.get("added_tokens") or [] if not t.get("special")]
+    processor = spec.get("post_processor") or {}
+    adds = processor.get("type") not in (None, "ByteLevel")
     model = (spec.get("model") or {}).get("type")
     checks = {
         "model": (model != "BPE", f"its model is {model!r}, not 'BPE'"),
@@ -357,13 +398,11 @@ def _check_byte_level(spec: dict, where: str) -> None:
             "it has a normalizer, which changes the text before it is split",
         ),
         "added_tokens": (
-            added not in ([], [{"content": END_OF_TEXT, "special": True}]),
-            f"it has added tokens other than the one special {END_OF_TEXT}",
+            bool(plain_added),
+            f"it has added tokens that are not special ({plain_added[:3]}), which would be "
+            "read out of the text",
         ),
-        "post_processor": (
-            spec.get("post_processor") is not None,
-            "it adds special tokens to the text",
-        ),
+        "post_processor": (adds, "its post-processor adds tokens to the text"),
         "pre_tokenizer": (
             pre.get("type") != "ByteLevel" or bool(pre.get("add_prefix_space")),
             "its pre-tokenizer has no ByteLevel step, so bytes are not all tokens"

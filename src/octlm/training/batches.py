@@ -4,7 +4,7 @@ may straddle documents, or whole documents packed into rows and kept apart by ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -21,11 +21,16 @@ class Batch(NamedTuple):
     document_ids: Tensor | None = None  # (B, T) int64 for packed rows
 
 
-def windows(tokens: Tensor, starts: Tensor, length: int) -> Batch:
-    """Inputs and next-token targets ``(B, length)`` int64 at ``starts (B,)``."""
+def windows(tokens: Tensor, starts: Tensor, length: int, supervised: Tensor | None = None) -> Batch:
+    """Inputs and next-token targets ``(B, length)`` int64 at ``starts (B,)``; with
+    ``supervised (N,)``, targets it does not mark are ``IGNORED``."""
     offsets = torch.arange(length + 1)  # (length + 1,)
-    window = tokens[starts.view(-1, 1) + offsets].long()  # (B, length + 1)
-    return Batch(window[:, :-1], window[:, 1:])
+    position = starts.view(-1, 1) + offsets  # (B, length + 1)
+    window = tokens[position].long()  # (B, length + 1)
+    targets = window[:, 1:]
+    if supervised is not None:
+        targets = targets.masked_fill(supervised[position[:, 1:]] == 0, IGNORED)
+    return Batch(window[:, :-1], targets)
 
 
 @dataclass
@@ -39,6 +44,8 @@ class Batches:
     tokens: Tensor  # (N,) unsigned ints
     length: int
     seed: int
+    # (N,) uint8: 1 where a token is a target the loss counts (a chat run's); None: all
+    supervised: Tensor | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -48,7 +55,7 @@ class Batches:
         starts = torch.randint(
             len(self.tokens) - self.length, (batch,), generator=self.generator
         )  # (batch,)
-        return windows(self.tokens, starts, self.length)
+        return windows(self.tokens, starts, self.length, self.supervised)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -66,7 +73,8 @@ class PackedBatches(Batches):
     target is lost). A row starts at a piece drawn uniformly: a piece that fills the row is
     the row; a document's last piece is followed by the whole documents that fit. What
     remains of the row is padding (the start of the next document, kept to itself), and
-    targets that cross into another document or into padding are ``IGNORED``.
+    targets that cross into another document or into padding are ``IGNORED``, as are those
+    ``supervised`` does not mark.
     """
 
     starts: Tensor  # (D,) int64: where each document starts in tokens
@@ -97,6 +105,9 @@ class PackedBatches(Batches):
         window = self.tokens[position.clamp(max=len(self.tokens) - 1)].long()
         ids = torch.searchsorted(self.ends, position, right=True)  # (B, length + 1)
         kept = (ids[:, 1:] == ids[:, :-1]) & (position[:, 1:] < end.view(-1, 1))  # (B, length)
+        if self.supervised is not None:
+            inside = position[:, 1:].clamp(max=len(self.tokens) - 1)  # (B, length)
+            kept &= self.supervised[inside].bool()
         targets = window[:, 1:].masked_fill(~kept, IGNORED)
         return Batch(window[:, :-1], targets, ids[:, :-1])
 

@@ -19,11 +19,17 @@ import torch
 
 from octlm.attention import IMPLEMENTATIONS
 from octlm.attention.registry import taking
+from octlm.chatml import CHAT_TOKENS
 from octlm.model import INTERCHANGEABLE, ModelConfig, is_int_at_least
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB, NAMES, check_bpe_vocab_size
 from octlm.training.budget import parse_duration
 from octlm.training.compiled import MODES, check_mode
-from octlm.training.formats import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Formats
+from octlm.training.formats import (
+    CHAT_FORMATS,
+    DEFAULT_GLOB,
+    DEFAULT_TOKENIZER_SAMPLE,
+    Formats,
+)
 from octlm.training.optim import DEFAULT_OPTIMIZER, OPTIMIZERS
 from octlm.training.precision import AUTO
 
@@ -36,6 +42,7 @@ PRESETS: dict[str, dict] = {
     "base": dict(width=512, n_layers=8, n_heads=8, n_kv_heads=4, mlp_width=1536),
 }
 DEFAULT_PRESET = "tiny"
+LOSSES = ("assistant", "all")  # the targets of a chat run
 TRAINING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_FILE = "config.json"
 # Optimizer steps of a run that sets neither --steps nor --time-budget.
@@ -172,9 +179,33 @@ class RunConfig:
     context_parallel: bool = _switch("split each sequence across ranks with ring attention")
     init_from: str | None = _option(
         None,
-        "a transformers folder (Llama, Mistral, Qwen3) whose config, weights and tokenizer start "
-        "the run (fine-tuning); the model flags may set only how it runs (--attention, --block, "
-        "--kernel, --dropout)",
+        "an octlm run folder, or a transformers folder (Llama, Mistral, Qwen3), whose config, "
+        "weights and tokenizer start the run (fine-tuning); the model flags may set only how it "
+        "runs (--attention, --block, --kernel, --dropout) and --max-length",
+    )
+    init_step: str = _option(
+        "best", "the checkpoint of an --init-from run folder: best, last, or a step it kept"
+    )
+    chat: bool = _switch(
+        "train on conversations, one record each, rendered in ChatML (docs/chat.md); "
+        "octlm finetune sets it"
+    )
+    chat_format: str = _option(
+        "auto",
+        "how --chat records hold a conversation: messages (role, content), sharegpt "
+        "(conversations: from, value), prompt (prompt, completion), alpaca (instruction, "
+        "input, output), or auto: each record's fields tell",
+        choices=CHAT_FORMATS,
+    )
+    strict: bool = _switch(
+        "refuse a conversation set with a bad record (by default such records are skipped, "
+        "counted and the first ones named)"
+    )
+    loss: str = _option(
+        "assistant",
+        "the targets of a --chat run: assistant (what the assistant says, and its end of turn) "
+        "or all (every token)",
+        choices=LOSSES,
     )
 
     def __post_init__(self) -> None:
@@ -222,6 +253,14 @@ class RunConfig:
         Formats(self.text_field, self.separator)
         if self.tokenizer not in (AUTO, *NAMES):
             raise ValueError(f"tokenizer must be one of {(AUTO, *NAMES)}, got {self.tokenizer!r}")
+        if self.chat_format not in CHAT_FORMATS:
+            raise ValueError(f"chat_format must be one of {CHAT_FORMATS}, got {self.chat_format!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if not (self.init_step in ("best", "last") or str(self.init_step).isdigit()):
+            raise ValueError(
+                f"init_step must be best, last or a checkpoint's step, got {self.init_step!r}"
+            )
         if self.fsdp and self.context_parallel:
             raise ValueError("fsdp and context_parallel cannot be combined: choose one")
 
@@ -348,8 +387,8 @@ def resolve(
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
     if run_config.init_from is not None and resume is None:
-        model_values = _imported_model(run_config.init_from, preset, given)
-        run_config = imported_tokenizer(run_config, model_values["vocab_size"], run_values)
+        model_values = _imported_model(run_config, preset, given)
+        run_config = imported_tokenizer(run_config, run_values)
     model_values.setdefault("max_length", run_config.length)
     if run_config.tokenizer == "bpe":
         model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
@@ -362,36 +401,43 @@ def resolve(
     return model_config, run_config
 
 
-def _imported_model(folder: str, preset: str | None, given: dict) -> dict:
-    """The model values of a run that starts from the transformers folder ``folder``: the
-    folder's config, run as ``given`` says (the runtime fields: attention, block, kernel,
-    dropout); ValueError for a preset, or a given value the folder's config departs from."""
+def _imported_model(run: RunConfig, preset: str | None, given: dict) -> dict:
+    """The model values of a run that starts from ``run.init_from`` (an octlm run folder or a
+    transformers folder): the folder's model, run as ``given`` says (the runtime fields:
+    attention, block, kernel, dropout; and ``max_length``, which RoPE lets grow), its
+    vocabulary the tokenizer's (with the chat tokens for a ``chat`` run); ValueError for a
+    preset, or a given value the folder's model departs from."""
     from octlm.integrations.llama_format import read_config  # safetensors, only for this
+    from octlm.training.base import is_run, tokenizer_of
 
+    folder = run.init_from
     if preset is not None:
         raise ValueError("--init-from takes the model from the folder's config.json: drop --preset")
-    values = read_config(folder)
+    values = asdict(stored_model(folder)) if is_run(folder) else read_config(folder)
     imported = asdict(model_from_dict(values))
-    runtime = {name: value for name, value in given.items() if name in INTERCHANGEABLE}
+    changeable = INTERCHANGEABLE | {"max_length"}
+    runtime = {name: value for name, value in given.items() if name in changeable}
     departing = [
         f"{name}={value!r} (the folder's is {imported[name]!r})"
         for name, value in given.items()
-        if name not in INTERCHANGEABLE and value != imported[name]
+        if name not in changeable and value != imported[name]
     ]
     if departing:
         raise ValueError(
             f"--init-from {folder!r} takes the model from the folder's config.json, which "
             f"these values depart from: {'; '.join(departing)}"
         )
-    return values | runtime
+    vocab_size = tokenizer_of(folder, run.chat).vocab_size
+    longest = max(imported["max_length"], run.length)
+    return imported | {"vocab_size": vocab_size, "max_length": longest} | runtime
 
 
-def imported_tokenizer(run: RunConfig, vocab_size: int, given: dict | None = None) -> RunConfig:
+def imported_tokenizer(run: RunConfig, given: dict | None = None) -> RunConfig:
     """The run as it starts from ``run.init_from``: with the folder's tokenizer (bytes, or the
     byte-level BPE its weights were trained with); ValueError for another ``--tokenizer``."""
-    from octlm.integrations.tokenizer_files import bpe_file
+    from octlm.training.base import tokenizer_of
 
-    name = "bytes" if bpe_file(run.init_from, vocab_size) is None else "bpe"
+    name = tokenizer_of(run.init_from).name
     if (given or {}).get("tokenizer", name) != name:
         raise ValueError(
             f"--init-from {run.init_from!r} brings its own tokenizer ({name}): drop "
@@ -501,9 +547,10 @@ def prompt_bytes(prompt: object) -> bytes:
 def check_compatible(model: ModelConfig, run: RunConfig) -> None:
     """Raise ValueError where the model and the run disagree."""
     # The model's vocabulary is the tokenizer's: a larger one could sample tokens it lacks.
-    if run.tokenizer == "bytes" and model.vocab_size != BYTE_VOCAB:
+    byte_vocab = BYTE_VOCAB + len(CHAT_TOKENS) * run.chat  # a chat run's bytes: chat tokens too
+    if run.tokenizer == "bytes" and model.vocab_size != byte_vocab:
         raise ValueError(
-            f"byte tokens need vocab_size {BYTE_VOCAB}, got {model.vocab_size} (--tokenizer bpe "
+            f"byte tokens need vocab_size {byte_vocab}, got {model.vocab_size} (--tokenizer bpe "
             "learns a larger vocabulary)"
         )
     if run.tokenizer == "bpe":

@@ -29,6 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
 
+from octlm.chatml import Message
 from octlm.tokenizer import text_pieces
 from octlm.training import readers
 from octlm.training.formats import DEFAULT_GLOB, DEFAULT_TOKENIZER_SAMPLE, Formats
@@ -80,12 +81,15 @@ def held_out(relatives: list[Path], val_share: float) -> set[Path]:
 
 
 class Part(NamedTuple):
-    """A document's text (or its head or tail) and where it goes."""
+    """A document's text (or its head or tail), or its conversation or a bad record's
+    problem (:class:`readers.Document`), and where it goes."""
 
     split: str
     text: Iterable[bytes]
     ends: bool  # whether the document ends here (and gets the end-of-text token)
     key: bytes  # its file's relative path and index there: what samples hash
+    messages: list[Message] | None = None  # a conversation's (its text is empty)
+    problem: str | None = None  # a bad record's, naming its file and line or row
 
 
 @dataclass(frozen=True)
@@ -126,14 +130,15 @@ class Corpus:
     @classmethod
     def of(cls, run) -> Corpus:
         """The corpus a run names: ``run.data`` (every format by default), or this Python's
-        standard library, with the run's glob, validation share and format options."""
+        standard library, with the run's glob, validation share and format options (its chat
+        format and strictness among them)."""
         if run.data is None:
             root, glob = default_corpus()
         else:
             root, glob = Path(run.data), DEFAULT_GLOB
-        return cls.open(
-            root, run.glob or glob, run.val_share, Formats(run.text_field, run.separator)
-        )
+        chat_format = run.chat_format if run.chat else None  # --chat: conversations
+        formats = Formats(run.text_field, run.separator, chat_format, run.strict)
+        return cls.open(root, run.glob or glob, run.val_share, formats)
 
     def relative(self, file: Path) -> Path:
         """A file's path relative to the corpus root (its name, for a corpus of one file)."""
@@ -158,8 +163,12 @@ class Corpus:
 
     @property
     def options(self) -> dict:
-        """The format options that shaped the corpus's documents."""
-        return {"text_field": self.formats.text_field, "separator": self.formats.separator}
+        """The format options that shaped the corpus's documents (a corpus of plain text: the
+        two that token folders have always recorded, so theirs stay up to date)."""
+        options = {"text_field": self.formats.text_field, "separator": self.formats.separator}
+        if self.formats.chat_format is not None:
+            options |= {"chat_format": self.formats.chat_format, "strict": self.formats.strict}
+        return options
 
     def check_files(self) -> None:
         """Raise ValueError where the files alone show the corpus cannot be split: every
@@ -193,7 +202,8 @@ class Corpus:
                 else:
                     held = record_fraction(relative, document.index) < self.val_share
                 key = os.fsencode(relative.as_posix()) + f"\0{document.index}".encode()
-                yield Part("val" if held else "train", document.text, True, key)
+                split = "val" if held else "train"
+                yield Part(split, document.text, True, key, document.messages, document.problem)
 
     def _head_and_tail(self, file: Path) -> Iterator[Part]:
         length = readers.text_length(file)
@@ -219,9 +229,9 @@ class Corpus:
         share = 1.0 if sample is None else min(1.0, sample / max(self.estimated_bytes, 1))
         given = 0
         for part in self.parts():
-            if part.split != "train":
+            if part.split != "train" or part.problem is not None:
                 continue
-            for index, text in enumerate(text_pieces(part.text)):
+            for index, text in enumerate(text_pieces(_text_of(part))):
                 if share < 1 and _fraction(part.key + f"#{index}".encode()) >= share:
                     continue
                 data = text.encode("utf-8", errors="surrogateescape")
@@ -229,6 +239,15 @@ class Corpus:
                 given += len(data)
                 if sample is not None and given >= sample:
                     return
+
+
+def _text_of(part: Part) -> Iterable[bytes]:
+    """A part's text; a conversation's: its messages' contents, a line apart."""
+    if part.messages is None:
+        return part.text
+    return (
+        "\n".join(message.content for message in part.messages).encode("utf-8", "surrogatepass"),
+    )
 
 
 def _cut(text: Iterable[bytes], at: int) -> tuple[Iterator[bytes], Iterator[bytes]]:

@@ -23,8 +23,15 @@ from typing import NamedTuple
 
 from octlm.model import ModelConfig, OctLM, is_int_at_least
 from octlm.tokenizer import STORING as STORING_TOKENIZER
-from octlm.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
+from octlm.tokenizer import (
+    TOKENIZER_FILE,
+    BPETokenizer,
+    ByteTokenizer,
+    load_tokenizer,
+    with_chat_tokens,
+)
 from octlm.training import checkpoint, lock, tokens
+from octlm.training.base import tokenizer_of
 from octlm.training.config import (
     CONFIG_FILE,
     RunConfig,
@@ -87,11 +94,10 @@ def prepare(
 
     ``config.json`` is written by :func:`store_config` once the run reaches its first step.
     """
-    bpe = None
+    imported = base = None
     if run.init_from is not None and not resume:  # refused before the folder is touched
-        from octlm.integrations.tokenizer_files import bpe_file
-
-        bpe = bpe_file(run.init_from, model_config.vocab_size)
+        base = tokenizer_of(run.init_from)
+        imported = with_chat_tokens(base) if run.chat else base
     if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
         shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
         for name in (CONFIG_FILE, TOKENIZER_FILE, PREPARING, *TEMPORARIES):
@@ -114,8 +120,12 @@ def prepare(
                 entry.unlink()
     if not resume:  # this folder is empty and ours: marked, so a failed start can be cleared
         (folder / PREPARING).touch()
-    if bpe is not None:  # the run keeps the tokenizer its weights were trained with
-        shutil.copyfile(bpe, folder / TOKENIZER_FILE)
+    # the run keeps the tokenizer its weights were trained with (and the chat tokens)
+    source = None if run.init_from is None else Path(run.init_from) / TOKENIZER_FILE
+    if imported is base is not None and source.is_file():
+        shutil.copyfile(source, folder / TOKENIZER_FILE)  # as it is, byte for byte
+    elif imported is not None:
+        imported.save(folder)  # nothing for plain bytes
     summary = tokens.read_summary(folder / DATA_FOLDER)
     if summary is None and resume:
         raise ValueError(
@@ -125,7 +135,13 @@ def prepare(
     made = Made(summary, model_config, run, None)
     if summary is None:
         made = run_tokens(
-            folder / DATA_FOLDER, folder, model_config, run, given, bpe is not None, progress
+            folder / DATA_FOLDER,
+            folder,
+            model_config,
+            run,
+            given,
+            (folder / TOKENIZER_FILE).is_file() and imported is not None,
+            progress,
         )
     _check_tokenizer(folder, made.summary, made.model, made.run)
     return made

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from octlm import signals
 from octlm.attention import implementation
+from octlm.chatml import IM_END
 from octlm.context_parallel import context_parallel_loss
 from octlm.model import ModelConfig, OctLM
 from octlm.progress import Progress
@@ -44,6 +45,7 @@ from octlm.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import checkpoint, distributed, tokens
 from octlm.training import folder as run_folder
 from octlm.training.allocator import keep_freed_memory
+from octlm.training.base import grown, is_run, tokenizer_of
 from octlm.training.batches import IGNORED, Batch, Batches, PackedBatches, evaluation_batches
 from octlm.training.budget import Stopwatch
 from octlm.training.compiled import CompiledLoss, compiles_here
@@ -126,7 +128,7 @@ def train(
     On CPU the process keeps large freed blocks for reuse (:mod:`octlm.training.allocator`).
     """
     if run.init_from is not None and not resume:  # the run keeps its weights' tokenizer
-        run = imported_tokenizer(run, model_config.vocab_size)
+        run = imported_tokenizer(run)
     cluster = distributed.setup(run.device, fsdp=run.fsdp, context_parallel=run.context_parallel)
     if cluster.device.type == "cpu":
         keep_freed_memory()
@@ -359,6 +361,7 @@ class Training:
     stopwatch: Stopwatch  # training time, over every launch of the run
     autocast: torch.autocast
     opening: str = "\n"  # the evaluation sample's prompt without --prompt: held-out text's start
+    question: list[int] | None = None  # a chat run's: a held-out conversation's first prompt
     model: nn.Module | None = None  # what a step calls (DDP): set by launch
     loss: CompiledLoss | None = None  # the summed token loss, compiled or not: set by launch
     # The run's evaluations ({step, val_loss, val_bits_per_byte}) and the step of the best
@@ -377,8 +380,11 @@ class Training:
         tokenizer = load_tokenizer(folder)  # checked against the run by prepare
         torch.manual_seed(run.seed)  # the same initial weights on every rank
         raw = OctLM(model_config).to(cluster.device)
-        if run.init_from is not None and not resume:  # fine-tuning: the folder's weights
-            raw.load_state_dict(OctLM.from_pretrained(run.init_from).state_dict())
+        if run.init_from is not None and not resume:  # fine-tuning: the base's weights
+            # its weights, in the run's model (another vocabulary or max_length: its config)
+            raw.load_state_dict(
+                _base_weights(run, model_config) | {"_extra_state": raw.get_extra_state()}
+            )
         if run.checkpoint_activations:
             _recompute_blocks(raw)
         distributed.shard(raw, cluster)
@@ -400,15 +406,33 @@ class Training:
             elapsed=lambda: stopwatch.elapsed,
         )
         scaler = torch.amp.GradScaler(cluster.device.type, enabled=run.dtype == "float16")
-        starts = tokens.load_starts(folder / DATA_FOLDER, "train") if run.pack else None
+        data = folder / DATA_FOLDER
+        supervised = {split: tokens.load_mask(data, split) for split in tokens.SPLITS}
+        if run.loss == "all":
+            supervised = dict.fromkeys(tokens.SPLITS)
+        starts = tokens.load_starts(data, "train") if run.pack else None
         batches = (
-            PackedBatches(split_tokens["train"], run.length, run.seed, starts)
+            PackedBatches(
+                split_tokens["train"], run.length, run.seed, starts, supervised=supervised["train"]
+            )
             if run.pack
-            else Batches(split_tokens["train"], run.length, run.seed)
+            else Batches(
+                split_tokens["train"], run.length, run.seed, supervised=supervised["train"]
+            )
         )
-        validation = evaluation_batches(
-            split_tokens["val"], run.length, run.batch, run.eval_batches
-        )
+        if run.chat:  # whole held-out conversations, packed as training packs them
+            held = PackedBatches(
+                split_tokens["val"],
+                run.length,
+                run.seed,
+                tokens.load_starts(data, "val"),
+                supervised=supervised["val"],
+            )
+            validation = [held.next(run.batch) for _ in range(run.eval_batches)]
+        else:
+            validation = evaluation_batches(
+                split_tokens["val"], run.length, run.batch, run.eval_batches
+            )
         torch.manual_seed(run.seed + cluster.rank)  # dropout differs between ranks' rows
         autocast = torch.autocast(
             cluster.device.type, dtype=TRAINING_DTYPES[run.dtype], enabled=run.dtype != "float32"
@@ -429,6 +453,7 @@ class Training:
             stopwatch=stopwatch,
             autocast=autocast,
             opening=_opening(split_tokens["val"], tokenizer),
+            question=_question(data, tokenizer) if run.chat else None,
         )
 
     def launch(self) -> None:
@@ -474,19 +499,20 @@ class Training:
         summed token losses over the bytes they cover), and a greedy sample; off the clock."""
         with self.stopwatch.paused():
             self.model.eval()
-            losses = []
+            summed, counted = 0.0, 0
             for batch in self.validation:  # (B, T) each
-                loss = 0.0
                 for micro, share in _micro_batches(batch, self.run, self.cluster):
                     with self.autocast:
                         part = _loss(self.loss.eager, self.model, micro, share, self.cluster)
-                    loss += self.cluster.total(part).item()
-                losses.append(loss)
+                    summed += self.cluster.total(part).item() * _counted(batch)
+                counted += _counted(batch)
             self.model.train()
-            val_loss = sum(losses) / len(losses)  # every batch counts as many targets
+            val_loss = summed / max(counted, 1)  # per counted target, over every batch
             sampler = _sampling_model(self.raw, self.model_config, self.cluster)
             text = None
-            if sampler is not None:
+            if sampler is not None and self.question is not None and self.run.prompt is None:
+                text = _reply(sampler, self.question, self.run.sample_tokens, self.tokenizer)
+            elif sampler is not None:
                 text = generate_text(
                     sampler,
                     self.run.prompt or self.opening,
@@ -501,7 +527,7 @@ class Training:
         loss per token to a loss per byte (1.0 for byte tokens)."""
         targets = torch.cat([batch.targets.flatten() for batch in batches])  # (N,)
         counted = targets[targets != IGNORED]  # (n,)
-        return len(counted) / int(self.token_bytes[counted].sum())
+        return len(counted) / max(int(self.token_bytes[counted].sum()), 1)
 
     def save(self, step: int) -> None:
         """Write the checkpoint of ``step`` from rank 0 (gathering shards and RNG states first)."""
@@ -636,11 +662,55 @@ def _opening(tokens: Tensor, tokenizer) -> str:
 def _micro_batches(batch: Batch, run: RunConfig, cluster: Cluster):
     """This rank's rows of a global batch, cut into ``accumulate`` equal micro-batches, and the
     share of the batch's counted targets each rank's losses are divided by."""
-    share = int((batch.targets != IGNORED).sum()) / cluster.data_ranks
+    # a batch without a counted target adds zero: its summed loss over one, never 0 / 0
+    share = max(_counted(batch), 1) / cluster.data_ranks
     rows = [None if part is None else cluster.rows(part).chunk(run.accumulate) for part in batch]
     for index in range(run.accumulate):
         parts = (None if part is None else part[index].to(cluster.device) for part in rows)
         yield Batch(*parts), share  # (b, T) each
+
+
+def _counted(batch: Batch) -> int:
+    """The targets a batch's loss counts."""
+    return int((batch.targets != IGNORED).sum())
+
+
+def _base_weights(run: RunConfig, model_config: ModelConfig) -> dict[str, Tensor]:
+    """The weights a fine-tune starts from: ``run.init_from``'s (an octlm run's checkpoint, or
+    a transformers folder's), their per-token rows those of the run's tokenizer
+    (:func:`octlm.training.base.grown`)."""
+    if is_run(run.init_from):
+        step = int(run.init_step) if run.init_step.isdigit() else run.init_step
+        state = run_folder.load_model(run.init_from, step=step)[0].state_dict()
+    else:
+        state = OctLM.from_pretrained(run.init_from).state_dict()
+    rows = tokenizer_of(run.init_from).vocab_size
+    return grown(state, rows, model_config.vocab_size)
+
+
+def _question(data: Path, tokenizer) -> list[int]:
+    """The first held-out conversation up to its first answer: the ids that prompt a chat
+    run's evaluation sample."""
+    ids = tokens.load_tokens(data, "val", 1)  # (N,)
+    mask = tokens.load_mask(data, "val")  # (N,) the first conversation has an answer
+    first = int(mask.nonzero()[0])  # its answer's first token
+    return ids[:first].tolist()
+
+
+def _reply(model: OctLM, question: list[int], count: int, tokenizer) -> str:
+    """The model's greedy reply of up to ``count`` tokens to ``question``, as text."""
+    end = tokenizer.special_ids[IM_END]
+    context = torch.tensor([question[-(model.config.max_length - 1) :]])  # (1, P)
+    count = min(count, model.config.max_length - context.shape[1])
+    was_training = model.training
+    model.eval()
+    try:
+        drawn = model.generate(context.to(next(model.parameters()).device), count, end_token=end)
+    finally:
+        model.train(was_training)
+    ids = drawn[0, context.shape[1] :].tolist()
+    ids = ids[: ids.index(end)] if end in ids else ids
+    return tokenizer.decode(ids).decode("utf-8", errors="replace")
 
 
 def _sampling_model(raw: OctLM, model_config: ModelConfig, cluster: Cluster) -> OctLM | None:

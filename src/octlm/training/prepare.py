@@ -34,12 +34,19 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
 from octlm.model import ModelConfig
 from octlm.progress import Progress
-from octlm.tokenizer import BYTE_VOCAB, TOKENIZER_FILE, BPETokenizer, ByteTokenizer
+from octlm.tokenizer import (
+    BYTE_VOCAB,
+    TOKENIZER_FILE,
+    BPETokenizer,
+    ByteTokenizer,
+    with_chat_tokens,
+)
 from octlm.training import lock, recipe, tokens
 from octlm.training.config import RunConfig
 from octlm.training.corpus import Corpus
@@ -110,8 +117,11 @@ def make_tokens(
                 raise
             why = f"{why}, but the training text cannot reach a BPE of {settled.vocab_size:,}"
             settled, run, rows = recipe.with_tokenizer(model, run, given, "bytes", None)
-    summary = tokenize(found, data_folder, tokenizer, progress=progress)
-    if learned is not None:
+    if run.chat:  # learned or bytes, with the chat tokens after its last id
+        tokenizer = with_chat_tokens(tokenizer)
+        settled = replace(settled, vocab_size=tokenizer.vocab_size)
+    summary = tokenize(found, data_folder, tokenizer, limit=chat_limit(run), progress=progress)
+    if run.chat or learned is not None:
         _note_bpe(summary, data_folder, run.tokenizer_sample, learned)
         tokenizer.save(tokenizer_folder)
     if auto:
@@ -146,11 +156,19 @@ def tokenize(
     data_folder: Path,
     tokenizer: ByteTokenizer | BPETokenizer,
     *,
+    limit: int | None = None,
     progress: bool = True,
 ) -> dict:
-    """The corpus ``found`` encoded by ``tokenizer`` into ``data_folder``; the summary."""
+    """The corpus ``found`` encoded by ``tokenizer`` into ``data_folder`` (conversations cut
+    to ``limit`` tokens); the summary."""
     with Progress(f"tokenising {found.root}", found.estimated_bytes, "B", enabled=progress) as bar:
-        return tokens.write_tokens(found, data_folder, tokenizer, bar.update)
+        return tokens.write_tokens(found, data_folder, tokenizer, bar.update, limit)
+
+
+def chat_limit(run: RunConfig) -> int | None:
+    """The tokens a conversation may keep in ``run``: a packed row's inputs and its last
+    target; None for plain documents."""
+    return run.length + 1 if run.chat else None
 
 
 def _note_bpe(summary: dict, data_folder: Path, sample: int, learned: int) -> None:
@@ -283,17 +301,20 @@ def run_tokens(
     names, or its corpus tokenised there (by the tokenizer already in ``run_folder`` when
     ``imported``, else by the run's own, saved there)."""
     if is_prepared(run.data):
-        if imported:
+        ours = run_folder / TOKENIZER_FILE
+        theirs = Path(run.data) / TOKENIZER_FILE
+        if imported and not (theirs.is_file() and theirs.read_bytes() == ours.read_bytes()):
             raise ValueError(
-                f"--init-from brings its own tokenizer: give --data the corpus, not the token "
-                f"folder {run.data!r}"
+                f"--init-from brings its own tokenizer, and the token folder {run.data!r} was "
+                "prepared with another: give --data the corpus, or prepare it with --init-from"
             )
         return reuse(Path(run.data), model, run, given, data_folder, run_folder, progress)
     found = Corpus.of(run)
     if not imported:
         return make_tokens(found, data_folder, run_folder, model, run, given, progress=progress)
     tokenizer = BPETokenizer.from_file(run_folder / TOKENIZER_FILE)
-    return Made(tokenize(found, data_folder, tokenizer, progress=progress), model, run, None)
+    summary = tokenize(found, data_folder, tokenizer, limit=chat_limit(run), progress=progress)
+    return Made(summary, model, run, None)
 
 
 def reuse(
@@ -316,6 +337,18 @@ def reuse(
             vocab = None if "vocab_size" in given else summary["vocab_size"]
             model, run, rows = recipe.with_tokenizer(model, run, given, summary["tokenizer"], vocab)
             said = f"--tokenizer {run.tokenizer} (auto: the tokens of {prepared}){rows}"
+        chat = summary.get("chat")
+        if run.chat != (chat is not None):
+            held = "conversations" if chat is not None else "plain documents"
+            raise ValueError(
+                f"--data {str(prepared)!r} holds {held}: "
+                + ("train on it with --chat" if chat is not None else "give --chat conversations")
+            )
+        if chat is not None and chat["limit"] is not None and chat["limit"] > chat_limit(run):
+            raise ValueError(
+                f"--data {str(prepared)!r} keeps conversations of up to {chat['limit']} tokens, "
+                f"longer than rows of --length {run.length}: prepare it with --length {run.length}"
+            )
         wanted = {"tokenizer": run.tokenizer, "vocab_size": model.vocab_size}
         wanted["val_share"] = run.val_share
         wrong = {name: value for name, value in wanted.items() if summary.get(name) != value}
@@ -328,7 +361,7 @@ def reuse(
             )
         _note_changes(prepared, summary)
         data_folder.mkdir(parents=True, exist_ok=True)
-        for name in tokens.TOKEN_FILES:
+        for name in tokens.TOKEN_FILES + tokens.MASK_FILES * ("chat" in summary):
             _link(prepared / name, data_folder / name)
         if (prepared / TOKENIZER_FILE).is_file():
             _put(prepared / TOKENIZER_FILE, tokenizer_folder / TOKENIZER_FILE, shutil.copyfile)

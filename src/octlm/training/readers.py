@@ -21,6 +21,12 @@ Formats, by the name's last suffix after any compression suffix (``.gz``, ``.zst
 A record whose field is empty or null is a document of no text: the pipeline skips and counts
 it. Anything else that is not a text is a ValueError naming the file, the line or row, and
 the field.
+
+With a chat format (:attr:`Formats.chat_format`) a record is read whole, and its document is a
+conversation (:mod:`octlm.training.conversations`): its messages, and no text. A record that
+holds none is a bad record: a document with only a ``problem`` naming the file, the line (a JSON
+array's record, a table's row) and what is wrong, for the pipeline to skip and count; with
+``strict``, a ValueError. A text file holds no records, so no conversations: a ValueError.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from octlm.chatml import Message
+from octlm.training import conversations
 from octlm.training.formats import Formats
 
 BLOCK = 1 << 20  # bytes read at a time from a text file
@@ -59,15 +67,18 @@ BRACES = re.compile(r"\{([^{}]*)\}")
 
 
 class Document(NamedTuple):
-    """One document of a corpus.
+    """One document of a corpus: a text, a conversation, or a bad record's problem.
 
     ``text`` yields its bytes in pieces and must be read through before the next document is
-    asked for (the pieces of a long one come from the file as they are read).
+    asked for (the pieces of a long one come from the file as they are read). A conversation's
+    and a bad record's are empty.
     """
 
     text: Iterable[bytes]
     source: Path  # its file, relative to the corpus root
     index: int | None  # its record (or part) in that file; None: the file is one document
+    messages: list[Message] | None = None  # a conversation's, checked by chatml.messages_of
+    problem: str | None = None  # a bad record's: "<file>: line N: <what is wrong>"
 
 
 def expand_braces(glob: str) -> list[str]:
@@ -227,7 +238,14 @@ def is_whole(path: Path, formats: Formats) -> bool:
 
 
 def read(path: Path, relative: Path, formats: Formats) -> Iterator[Document]:
-    """The documents of one corpus file, by its format."""
+    """The documents of one corpus file, by its format; ValueError for a text file under a chat
+    format."""
+    if formats.chat_format is not None and format_of(path) == "text":
+        raise ValueError(
+            f"{relative}: a text file holds no conversations (--chat-format "
+            f"{formats.chat_format} reads a conversation from each record of JSON Lines, JSON, "
+            "Parquet or Arrow files); leave it out with --glob"
+        )
     reader = {"text": _text, "jsonl": _json_lines, "json": _json}
     reader |= {"parquet": _parquet, "arrow": _arrow}
     with _Stream(path, relative) as stream:
@@ -436,6 +454,21 @@ def _field(record: object, formats: Formats, where: str) -> bytes:
     return value.encode("utf-8", "surrogatepass")  # a lone surrogate becomes its own bytes
 
 
+def _document(record: object, formats: Formats, relative: Path, index: int, where: str) -> Document:
+    """A record's document (``where``: the file and its line, record or row, for errors): the
+    text of its field or, with a chat format, its conversation or a bad record's problem."""
+    if formats.chat_format is None:
+        return Document((_field(record, formats, where),), relative, index)
+    try:
+        messages = conversations.conversation(record, formats.chat_format)
+    except ValueError as error:
+        problem = f"{where}: {error}"
+        if formats.strict:
+            raise ValueError(f"{problem}; without --strict such records are skipped") from None
+        return Document((), relative, index, problem=problem)
+    return Document((), relative, index, messages=messages)
+
+
 def _json_lines(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Document]:
     return _records(stream.lines(), relative, formats)
 
@@ -452,9 +485,7 @@ def _records(lines: Iterable[bytes], relative: Path, formats: Formats) -> Iterat
                 f"{relative}: line {number} is not JSON ({getattr(error, 'msg', error)}); JSON "
                 "Lines hold one record per line"
             ) from None
-        yield Document(
-            (_field(record, formats, f"{relative}: line {number}"),), relative, number - 1
-        )
+        yield _document(record, formats, relative, number - 1, f"{relative}: line {number}")
 
 
 def _json(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Document]:
@@ -479,7 +510,7 @@ def _json(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Documen
         raise ValueError(f"{relative}: not a JSON array of records ({error})") from None
     del text
     for index, record in enumerate(records):
-        yield Document((_field(record, formats, f"{relative}: record {index}"),), relative, index)
+        yield _document(record, formats, relative, index, f"{relative}: record {index}")
 
 
 def _pyarrow(relative: Path, what: str):
@@ -492,25 +523,27 @@ def _pyarrow(relative: Path, what: str):
     return pyarrow
 
 
-def _column(schema, relative: Path, formats: Formats) -> str:
-    """The column of a table that holds the text field; ValueError listing the columns."""
+def _columns(schema, relative: Path, formats: Formats) -> list[str]:
+    """The columns of a table that its documents are read from: the one that holds the text
+    field (ValueError listing the columns where there is none), or those of the chat format."""
+    if formats.chat_format is not None:
+        return conversations.columns(schema.names, formats.chat_format)
     column = formats.text_field.split(".")[0]
     if column not in schema.names:
         raise ValueError(
             f"{relative}: no column {column!r} (its columns: {', '.join(schema.names)}); name "
             "the one that holds the text with --text-field"
         )
-    return column
+    return [column]
 
 
 def _rows(batches, relative: Path, formats: Formats) -> Iterator[Document]:
-    """The documents of a table's record batches of one column, one per row."""
-    column = formats.text_field.split(".")[0]
+    """The documents of a table's record batches (of the columns they are read from), one per
+    row; nested columns come as lists and dicts."""
     row = 0
     for batch in batches:
-        for value in batch.column(0).to_pylist():
-            text = _field({column: value}, formats, f"{relative}: row {row}")
-            yield Document((text,), relative, row)
+        for record in batch.to_pylist():  # {column: value} a row
+            yield _document(record, formats, relative, row, f"{relative}: row {row}")
             row += 1
 
 
@@ -520,9 +553,9 @@ def _parquet(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Docu
         table = pyarrow.parquet.ParquetFile(stream.seekable_file())
     except pyarrow.ArrowInvalid as error:
         raise ValueError(f"{relative}: not a Parquet file ({error})") from None
-    column = _column(table.schema_arrow, relative, formats)
+    columns = _columns(table.schema_arrow, relative, formats)
     try:
-        yield from _rows(table.iter_batches(ROWS, columns=[column]), relative, formats)
+        yield from _rows(table.iter_batches(ROWS, columns=columns), relative, formats)
     except (pyarrow.ArrowException, OSError) as error:  # a damaged page or row group
         raise ValueError(f"{relative}: not a Parquet file ({error})") from None
 
@@ -536,8 +569,8 @@ def _arrow(stream: _Stream, relative: Path, formats: Formats) -> Iterator[Docume
         else:  # the IPC stream format, as datasets.save_to_disk writes it
             reader = pyarrow.ipc.open_stream(stream)  # read as it is decompressed
             batches = iter(reader)
-        column = _column(reader.schema, relative, formats)
-        index = reader.schema.get_field_index(column)
-        yield from _rows((batch.select([index]) for batch in batches), relative, formats)
+        columns = _columns(reader.schema, relative, formats)
+        indices = [reader.schema.get_field_index(column) for column in columns]
+        yield from _rows((batch.select(indices) for batch in batches), relative, formats)
     except (pyarrow.ArrowException, OSError) as error:  # pyarrow's own, of a short file
         raise ValueError(f"{relative}: not an Arrow file ({error})") from None

@@ -12,6 +12,12 @@ that batches touch. Beside each, ``train.starts.bin`` and ``val.starts.bin`` hol
 document starts (int64 offsets, in tokens), for packed batches. Each file is written under a
 temporary name and renamed once all are whole, so an error or a signal leaves no half-written
 file and an earlier folder's files as they were.
+
+A folder of conversations (a corpus read with a chat format) holds each conversation as one
+document, rendered in ChatML (:mod:`octlm.chatml`) with no end-of-text token, cut at a turn
+boundary to fit ``limit`` tokens (a packed row and its last target) or dropped where no answer
+fits; ``{split}.mask.bin`` holds one uint8 per token, 1 where the token is a supervised target
+(what an assistant says, and its end of turn). Bad records are counted, the first few named.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from octlm import chatml
 from octlm.progress import scaled
 from octlm.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer
 from octlm.training.corpus import RULES, Corpus, Part
@@ -32,13 +39,17 @@ from octlm.training.corpus import RULES, Corpus, Part
 SPLITS = ("train", "val")
 SUMMARY = "data.json"
 STARTS = "{split}.starts.bin"
+MASK = "{split}.mask.bin"  # a conversation folder's: 1 where a token is a supervised target
 TOKEN_FILES = tuple(
     name.format(split=split) for split in SPLITS for name in ("{split}.bin", STARTS)
 )
+MASK_FILES = tuple(MASK.format(split=split) for split in SPLITS)
 # Every file write_tokens may leave in its folder: a folder of nothing else is octlm's own.
 OWN_FILES = frozenset(
-    {SUMMARY, *TOKEN_FILES} | {f".{name}.tmp" for name in (*TOKEN_FILES, SUMMARY)}
+    {SUMMARY, *TOKEN_FILES, *MASK_FILES}
+    | {f".{name}.tmp" for name in (*TOKEN_FILES, *MASK_FILES, SUMMARY)}
 )
+NAMED = 5  # bad records named in a conversation folder's summary
 # Token file widths, narrowest first, and the array typecode of each.
 TOKEN_WIDTHS = {"uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32}
 TYPECODES = {1: "B", 2: "H", 4: next(code for code in "IL" if array(code).itemsize == 4)}
@@ -59,6 +70,7 @@ def write_tokens(
     folder: str | os.PathLike,
     tokenizer: ByteTokenizer | BPETokenizer | None = None,
     progress: Callable[[int], object] | None = None,
+    limit: int | None = None,
 ) -> dict:
     """Write ``folder/train.bin`` and ``folder/val.bin`` from the corpus ``found``, encoded by
     ``tokenizer`` (default: bytes), telling ``progress`` each document's bytes once read,
@@ -68,8 +80,11 @@ def write_tokens(
     The summary (also saved as ``folder/data.json``) counts documents, bytes and tokens per
     split and the empty documents skipped, names the tokenizer, its vocabulary and the token
     dtype, the split's rule, the formats' options and the corpus's files (names, sizes and
-    modification times: its fingerprint). Raises ValueError for an empty corpus or an empty
-    split, or a file that cannot be read as its format, naming it.
+    modification times: its fingerprint). A corpus of conversations (its formats' chat format)
+    is rendered in ChatML and cut to ``limit`` tokens (None: whole), with a mask file per split
+    and the conversations' counts in the summary (see the module docstring). Raises ValueError
+    for an empty corpus or an empty split, or a file that cannot be read as its format, naming
+    it.
     """
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     folder = Path(folder)
@@ -87,21 +102,33 @@ def write_tokens(
     summary["end_token"] = tokenizer.end_token  # the id that ends each document, or None
     summary["dtype"] = token_dtype(tokenizer.vocab_size)
     summary["files"] = found.fingerprint
+    chat = found.formats.chat_format is not None
+    if chat:
+        chatml.chat_ids(tokenizer)  # a tokenizer without chat tokens is refused first
+        summary["chat"] = {"limit": limit, "cut": 0, "dropped": 0, "bad": 0, "named": []}
+        summary["chat"] |= {f"{split}_supervised": 0 for split in SPLITS}
+    names = (*TOKEN_FILES, *MASK_FILES) if chat else TOKEN_FILES
     typecode = TYPECODES[TOKEN_WIDTHS[summary["dtype"]].itemsize]
-    writers = {split: _SplitWriter(folder, split, typecode, summary) for split in SPLITS}
+    writers = {split: _SplitWriter(folder, split, typecode, summary, chat) for split in SPLITS}
     try:
         try:
-            _write_splits(found, tokenizer, writers, summary, progress or (lambda size: None))
+            told = progress or (lambda size: None)
+            if chat:
+                _write_conversations(found, tokenizer, writers, summary, told, limit)
+            else:
+                _write_splits(found, tokenizer, writers, summary, told)
         finally:
             for writer in writers.values():
                 writer.close()
         _check_splits(found, summary)
         (folder / SUMMARY).unlink(missing_ok=True)  # an earlier folder's: its files go now
-        for name in TOKEN_FILES:
+        for name in MASK_FILES:  # an earlier folder's masks, where these tokens have none
+            (folder / name).unlink(missing_ok=True)
+        for name in names:
             os.replace(folder / f".{name}.tmp", folder / name)
         write_summary(folder, summary)
     except BaseException:  # nothing half-written stays behind
-        for name in TOKEN_FILES:
+        for name in names:
             (folder / f".{name}.tmp").unlink(missing_ok=True)
         raise
     return summary
@@ -117,16 +144,27 @@ def write_summary(folder: Path, summary: dict) -> None:
 class _SplitWriter:
     """One split's token and offset files, written as documents come, under temporary names."""
 
-    def __init__(self, folder: Path, split: str, typecode: str, summary: dict):
+    def __init__(self, folder: Path, split: str, typecode: str, summary: dict, masked: bool):
         self.split, self.typecode, self.summary = split, typecode, summary
         self.tokens = (folder / f".{split}.bin.tmp").open("wb")
         self.starts = (folder / f".{STARTS.format(split=split)}.tmp").open("wb")
+        self.mask = (folder / f".{MASK.format(split=split)}.tmp").open("wb") if masked else None
 
-    def write(self, pieces: Iterable, size: int, end_token: int | None) -> None:
+    def write(
+        self,
+        pieces: Iterable,
+        size: int,
+        end_token: int | None,
+        supervised: list[bool] | None = None,
+    ) -> None:
         """One document (or its head or tail) of ``size`` bytes, from its tokens in
-        ``pieces``, then ``end_token`` (None: no end)."""
+        ``pieces``, then ``end_token`` (None: no end); a conversation with the ``supervised``
+        flag of each token."""
         count = f"{self.split}_tokens"
         self.starts.write(array("q", [self.summary[count]]))
+        if supervised is not None:
+            self.mask.write(bytes(supervised))
+            self.summary["chat"][f"{self.split}_supervised"] += sum(supervised)
         for ids in pieces:
             self.tokens.write(ids if isinstance(ids, bytes) else array(self.typecode, ids))
             self.summary[count] += len(ids)
@@ -139,6 +177,8 @@ class _SplitWriter:
     def close(self) -> None:
         self.tokens.close()
         self.starts.close()
+        if self.mask is not None:
+            self.mask.close()
 
 
 def _write_splits(found: Corpus, tokenizer, writers: dict, summary: dict, progress) -> None:
@@ -182,6 +222,29 @@ def _write_splits(found: Corpus, tokenizer, writers: dict, summary: dict, progre
     flush()
 
 
+def _write_conversations(
+    found: Corpus, tokenizer, writers: dict, summary: dict, progress, limit: int | None
+) -> None:
+    """Render each conversation into its split's writer, cut to ``limit`` tokens; count the
+    cut, the dropped and the bad records (naming the first :data:`NAMED`)."""
+    chat = summary["chat"]
+    for part in found.parts():
+        if part.problem is not None:
+            chat["bad"] += 1
+            if len(chat["named"]) < NAMED:
+                chat["named"].append(part.problem)
+            continue
+        whole = chatml.render(tokenizer, part.messages)
+        rendered = whole if limit is None else chatml.cut(whole, part.messages, limit)
+        if rendered is None:
+            chat["dropped"] += 1
+            continue
+        chat["cut"] += rendered is not whole
+        size = len(tokenizer.decode(rendered.ids))
+        writers[part.split].write([rendered.ids], size, None, rendered.supervised)
+        progress(size)
+
+
 def _chain(first: bytes, second: bytes | None, rest: Iterator[bytes]) -> Iterator[bytes]:
     yield first
     if second is not None:
@@ -191,6 +254,13 @@ def _chain(first: bytes, second: bytes | None, rest: Iterator[bytes]) -> Iterato
 
 def _check_splits(found: Corpus, summary: dict) -> None:
     """Raise ValueError for a corpus of no text, or a split without any."""
+    chat = summary.get("chat")
+    if chat is not None and not summary["train_documents"] + summary["val_documents"]:
+        named = f"; {chat['named'][0]}" if chat["named"] else ""
+        raise ValueError(
+            f"data {str(found.root)!r}: no conversation to train on ({chat['bad']} bad records, "
+            f"{chat['dropped']} with no answer within {chat['limit']} tokens){named}"
+        )
     if not summary["train_bytes"] + summary["val_bytes"]:
         what = {"tail": "its text", "file": "every matched file"}.get(
             found.rule, f"field {found.formats.text_field!r} of every record"
@@ -225,12 +295,49 @@ def describe(summary: dict) -> str:
     if summary["tokenizer"] != "bytes":
         each = summary["train_bytes"] / max(summary["train_tokens"], 1)
         kind = f"{summary['tokenizer']} of {summary['vocab_size']:,}, {each:.2f} bytes each"
+    chat = summary.get("chat")
+    if chat is not None:
+        return _described_conversations(summary, chat, kind)
     return (
         f"data {summary['source']} ({summary['glob']}): {documents:,} documents{skipped}, "
         f"{scaled(size)}B -> {count:,} tokens ({kind}); validation "
         f"{summary['val_documents']:,} documents, {100 * held_out_share(summary):.1f}% of "
         f"bytes (--val-share {summary['val_share']}) by "
         f"{RULES.get(summary.get('split', 'file'), 'a hash of each file')}"
+    )
+
+
+def _described_conversations(summary: dict, chat: dict, kind: str) -> str:
+    """:func:`describe` for a folder of conversations: how many, the supervised tokens and the
+    share held out, what was cut, dropped or skipped as bad."""
+    count = summary["train_documents"] + summary["val_documents"]
+    supervised = chat["train_supervised"] + chat["val_supervised"]
+    held = chat["val_supervised"] / max(supervised, 1)
+    within = f"{chat['limit']:,} tokens" if chat["limit"] else "the rows"
+    lines = [
+        f"data {summary['source']} ({summary['glob']}): {count:,} conversations, "
+        f"{summary['train_tokens'] + summary['val_tokens']:,} tokens ({kind}), "
+        f"{supervised:,} of them supervised; validation {summary['val_documents']:,} "
+        f"conversations, {100 * held:.1f}% of supervised tokens (--val-share "
+        f"{summary['val_share']})",
+        f"  {chat['cut']:,} cut at a turn boundary to fit {within}, {chat['dropped']:,} dropped "
+        f"(no whole answer fits), {chat['bad']:,} bad records skipped",
+    ]
+    lines += [f"  bad record: {problem}" for problem in chat["named"]]
+    if chat["bad"] > len(chat["named"]):
+        lines.append(f"  ... and {chat['bad'] - len(chat['named']):,} more (--strict refuses)")
+    return "\n".join(lines)
+
+
+def load_mask(folder: str | os.PathLike, split: str) -> Tensor | None:
+    """Whether each token of one split is a supervised target ``(N,)`` uint8, memory-mapped;
+    None for a folder of plain documents."""
+    summary = read_summary(folder) or {}
+    if summary.get("chat") is None:
+        return None
+    path = _checked_file(Path(folder), MASK.format(split=split), summary[f"{split}_tokens"])
+    return torch.from_file(
+        str(path), shared=False, size=summary[f"{split}_tokens"], dtype=torch.uint8
     )
 
 
