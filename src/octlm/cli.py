@@ -154,22 +154,70 @@ def _train_parser(parser: argparse.ArgumentParser) -> None:
         help=f"model sizes (default {config.DEFAULT_PRESET})",
     )
     parser.add_argument("--config", help="TOML or JSON file with [model] and [run] tables")
+    _run_folder_options(parser)
+    flags.add_arguments(parser)
+    _training_run(parser, lambda args: {})
+
+
+def _run_folder_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument(
         "--overwrite", action="store_true", help="start again in an existing run folder"
     )
-    flags.add_arguments(parser)
+
+
+def _finetune_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm finetune``: the base, and ``octlm train``'s flags but those that
+    would change the base's model."""
+    from dataclasses import fields
+
+    from octlm.model import INTERCHANGEABLE
+    from octlm.training import flags
+    from octlm.training.config import RunConfig
+
+    parser.description = (
+        "Fine-tune a model on conversations (docs/chat.md): BASE, an octlm run folder (its best "
+        "checkpoint, or --step's) or a transformers folder (Llama, Mistral, Qwen3), trained "
+        "on the conversations of --data, rendered in ChatML with the chat tokens added to its "
+        "tokenizer where it lacks them, whole conversations packed into rows, the loss on what "
+        "the assistant says. The run folder (--out) is a run as octlm train makes it: resume, "
+        "sample, chat and export it the same way."
+    )
+    parser.add_argument("base", help="an octlm run folder, or a transformers folder")
+    parser.add_argument("--out", required=True, help="the run folder to write")
+    parser.add_argument(
+        "--step",
+        dest="run.init_step",
+        help="BASE's checkpoint when it is a run folder: best (default), last or a kept step",
+    )
+    _run_folder_options(parser)
+    taken = {"init_from", "init_step", "chat", "pack", "tokenizer", "tokenizer_sample"}
+    run_fields = {f.name for f in fields(RunConfig)} - taken
+    flags.add_arguments(parser, run_fields, INTERCHANGEABLE | {"max_length"})
+    parser.set_defaults(**{"run.data": None})
+    _training_run(
+        parser, lambda args: {"init_from": args.base, "chat": True, "pack": True}, preset=False
+    )
+
+
+def _training_run(parser: argparse.ArgumentParser, fixed, preset: bool = True) -> None:
+    """The run of ``octlm train`` and ``octlm finetune``: the run values the flags give, over
+    which ``fixed(args)`` sets a verb's own (for a new run; a resume keeps the run's)."""
+    from octlm.training import config, flags
 
     def run(args: argparse.Namespace) -> int:
         from octlm.training import train
 
         model_values, run_values = flags.explicit_values(args)
         resume = args.out if args.resume else None
+        if resume is None:
+            run_values |= fixed(args)
+        file = getattr(args, "config", None)
         try:
             model_config, run_config = config.resolve(
-                args.preset, args.config, model_values, run_values, resume=resume
+                getattr(args, "preset", None), file, model_values, run_values, resume=resume
             )
-            given = flags.given_names(args.config, model_values, run_values)
+            given = flags.given_names(file, model_values, run_values)
             outcome = train(
                 model_config,
                 run_config,
@@ -218,7 +266,8 @@ def _prepare_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, help="the token folder to write")
     fields = {"data", "glob", "text_field", "separator", "val_share", "tokenizer"}
-    flags.add_arguments(parser, fields | {"tokenizer_sample"}, {"vocab_size"})
+    fields |= {"tokenizer_sample", "chat", "chat_format", "strict", "length"}
+    flags.add_arguments(parser, fields, {"vocab_size"})
 
     def run(args: argparse.Namespace) -> int:
         from octlm.training import prepare
@@ -304,6 +353,83 @@ def _sample_parser(parser: argparse.ArgumentParser) -> None:
         return 0
 
     parser.set_defaults(run=run)
+
+
+def _chat_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``octlm chat``: the run folder, its checkpoint, the system message, one
+    message or a conversation on stdin, and how to draw."""
+    parser.description = (
+        "Talk with a run's model in ChatML (a run fine-tuned on conversations: its tokenizer "
+        "has the chat tokens), its best checkpoint or --step's, decoding with the KV cache. "
+        "With --message: one reply, alone on stdout. Without: one user message per line of "
+        "stdin, each reply streamed to stdout; /reset forgets the turns (not --system), "
+        "Ctrl-D ends. The oldest turns are dropped when the model's context fills."
+    )
+    parser.add_argument("run_dir", help="a run folder whose tokenizer has the chat tokens")
+    _step_option(parser)
+    parser.add_argument("--system", help="the system message, first in the conversation")
+    parser.add_argument("--message", help="one user message: print the reply and leave")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="most tokens of a reply (default 256)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0 is greedy (default %(default)s)"
+    )
+    parser.add_argument("--top-k", type=int, help="draw among the K likeliest tokens only")
+    parser.add_argument("--seed", type=int, default=0, help="RNG seed of the draws")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+    def run(args: argparse.Namespace) -> int:
+        from octlm import load_run
+        from octlm.chat import CONTEXT, MAX_NEW_TOKENS, Chat
+        from octlm.training.folder import BEST, choose
+
+        chosen = choose(args.run_dir, BEST if args.step is None else args.step)
+        model, tokenizer, step = load_run(args.run_dir, args.device, step=chosen.step)
+        drawing = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        chat = Chat(model, tokenizer, args.system, max_new_tokens=args.max_new_tokens, **drawing)
+        print(f"# {args.run_dir}, checkpoint of step {step}, {chosen.how}", file=sys.stderr)
+        cuts = {
+            MAX_NEW_TOKENS: f"# the reply was cut at --max-new-tokens {args.max_new_tokens}",
+            CONTEXT: f"# the reply was cut at the model's context, {model.config.max_length} "
+            "tokens",
+        }
+        if args.message is not None:
+            said = chat.say(args.message)
+            print(said.text)
+            if said.stopped in cuts:
+                print(cuts[said.stopped], file=sys.stderr)
+            return 0
+
+        def write(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        while True:
+            if sys.stdin.isatty():
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:  # Ctrl-D
+                return 0
+            text = line.rstrip("\r\n")
+            if text.strip() == "/reset":
+                chat.reset()
+                print("# the conversation starts again", file=sys.stderr)
+                continue
+            if not text.strip():
+                continue
+            try:
+                said = chat.say(text, on_text=write)
+            except ValueError as error:  # a message too long for the context: say the next
+                print(f"octlm chat: {error}", file=sys.stderr)
+                continue
+            print(flush=True)
+            if said.stopped in cuts:
+                print(cuts[said.stopped], file=sys.stderr)
+
+    # ValueError: a bad option, run folder or tokenizer without chat tokens; OSError: a closed
+    # stdout.
+    parser.set_defaults(run=run, exits={ValueError: 2, OSError: 1})
 
 
 def _step_option(parser: argparse.ArgumentParser) -> None:
@@ -394,7 +520,9 @@ VERBS = {
     "report": (_report_parser, "tables and plots from records"),
     "prepare": (_prepare_parser, "tokenise a corpus once -> a token folder for train"),
     "train": (_train_parser, "train a model -> a run folder"),
+    "finetune": (_finetune_parser, "fine-tune a model on conversations -> a run folder"),
     "sample": (_sample_parser, "text from a run folder's checkpoint"),
+    "chat": (_chat_parser, "talk with a run fine-tuned on conversations"),
     "export": (_export_parser, "a run or model file -> transformers folder or GGUF"),
 }
 

@@ -38,6 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
+from octlm.chatml import CHAT_TOKENS
 from octlm.model import ModelConfig
 from octlm.progress import Progress
 from octlm.tokenizer import (
@@ -185,10 +186,15 @@ def _counted(texts: Iterator[bytes], bar: Progress, total: list[int]) -> Iterato
         yield text
 
 
-def changes(folder: Path, found: Corpus, tokenizer: str, vocab_size: int) -> list[str]:
+def changes(
+    folder: Path, found: Corpus, tokenizer: str, vocab_size: int, limit: int | None = None
+) -> list[str]:
     """How the corpus ``found`` and the tokens asked for differ from those ``folder``'s tokens
-    were prepared from (its data.json's fingerprint); none when it is up to date."""
+    were prepared from (its data.json's fingerprint, and the length conversations were cut to:
+    ``limit``); none when it is up to date."""
     summary = tokens.read_summary(folder)
+    if limit is not None and (summary.get("chat") or {}).get("limit") != limit:
+        return [f"conversations cut to {limit} tokens"]
     now = {"files": found.fingerprint, "glob": found.glob, "val_share": found.val_share}
     now |= {"formats": found.options, "tokenizer": tokenizer, "vocab_size": vocab_size}
     differ = [name for name in FINGERPRINT if summary.get(name) != now[name]]
@@ -264,12 +270,14 @@ def prepare_folder(
             )
         if is_prepared(out):
             summary = tokens.read_summary(out)
-            wanted = (run.tokenizer, model.vocab_size)
+            chat = len(CHAT_TOKENS) * run.chat  # a conversation folder's tokens: chat ones too
+            wanted = (run.tokenizer, model.vocab_size + chat)
             if run.tokenizer == AUTO and "vocab_size" in given:  # auto takes what it names
-                wanted = ("bytes" if model.vocab_size == BYTE_VOCAB else "bpe", model.vocab_size)
+                named = "bytes" if model.vocab_size == BYTE_VOCAB else "bpe"
+                wanted = (named, model.vocab_size + chat)
             elif run.tokenizer == AUTO:
                 wanted = (summary["tokenizer"], summary["vocab_size"])
-            differ = changes(out, found, *wanted)
+            differ = changes(out, found, *wanted, limit=chat_limit(run))
             if not differ:
                 say(f"{out} is up to date with {found.root}: nothing to prepare", progress)
                 return Made(summary, model, run, None)
