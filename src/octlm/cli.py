@@ -1,5 +1,5 @@
-"""``octlm verify | bench | report | prepare | train | sample | export``: argument parsing
-only; the work is in the library."""
+"""``octlm verify | bench | report | prepare | train | finetune | sample | chat | export``:
+argument parsing only; the work is in the library."""
 
 from __future__ import annotations
 
@@ -433,7 +433,8 @@ def _chat_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _step_option(parser: argparse.ArgumentParser) -> None:
-    """``--step`` of ``octlm sample`` and ``octlm export``: best, last or a kept step."""
+    """``--step`` of ``octlm sample``, ``octlm chat`` and ``octlm export``: best, last or a kept
+    step."""
     parser.add_argument(
         "--step",
         type=lambda text: int(text) if text.isdigit() else text,

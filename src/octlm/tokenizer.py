@@ -25,6 +25,14 @@ tell a 257-token byte run from the 256-token ones already trained, checkpointed 
 those keep working unchanged instead. Packing (``octlm train --pack``) keeps a byte run's
 documents apart.
 
+Chat tokens (``<|im_start|>``, ``<|im_end|>``: :mod:`octlm.chatml`) are special tokens added
+after a tokenizer's last id (:func:`with_chat_tokens`), standing for no bytes, as the end of
+text does. A byte run fine-tuned on conversations keeps a ``tokenizer.json`` of its own: the
+256 bytes as a BPE without merges (each byte's id its value) and the chat tokens at 256 and
+257. It reads as a :class:`BPETokenizer` named ``bytes`` (vocabulary 258, uint16 token files);
+byte runs without chat tokens stay as they are. Other special tokens a transformers folder's
+tokenizer holds (padding, a start of text) load too, each standing for no bytes.
+
 Bytes that are not UTF-8: ``tokenizers`` takes text only, so ``encode`` cuts the data into
 its maximal valid UTF-8 runs and the single bytes between them (the bytes Python's
 ``surrogateescape`` escapes). The runs go through the BPE; each other byte becomes the token
@@ -39,7 +47,7 @@ ahead, never behind), so the tokens equal those of the whole text. A document of
 are encoded together (``encode_batch``), on every core the ``tokenizers`` library uses.
 
 ``load_tokenizer(folder)`` gives a run folder's tokenizer: a folder with ``tokenizer.json`` is
-a BPE run, one without is a byte run. ``tokenizers`` is imported on the BPE paths only.
+a BPE run (or a byte run with chat tokens), one without is a byte run. ``tokenizers`` is imported on the BPE paths only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ what the options need is read from configs, so octlm answers about as fast as to
 import subprocess
 import sys
 
-VERBS = ["verify", "bench", "report", "train", "sample"]
+VERBS = ["verify", "bench", "report", "train", "finetune", "sample", "chat"]
 HEAVY = ["octlm.training.loop", "octlm.training.distributed", "torch._dynamo"]
 PROBE = f"""
 import sys
