@@ -180,8 +180,9 @@ def _finetune_parser(parser: argparse.ArgumentParser) -> None:
         "checkpoint, or --step's) or a transformers folder (Llama, Mistral, Qwen3), trained "
         "on the conversations of --data, rendered in ChatML with the chat tokens added to its "
         "tokenizer where it lacks them, whole conversations packed into rows, the loss on what "
-        "the assistant says. The run folder (--out) is a run as octlm train makes it: resume, "
-        "sample, chat and export it the same way."
+        "the assistant says; rows of the base's context unless --length says otherwise. The "
+        "run folder (--out) is a run as octlm train makes it: resume, sample, chat and export "
+        "it the same way."
     )
     parser.add_argument("base", help="an octlm run folder, or a transformers folder")
     parser.add_argument("--out", required=True, help="the run folder to write")
@@ -492,6 +493,9 @@ def _export_parser(parser: argparse.ArgumentParser) -> None:
             step = f", checkpoint of step {exported.step}, {exported.checkpoint}"
         tokenizer = exported.tokenizer or "no tokenizer (the model file's vocabulary is not bytes)"
         print(f"{exported.folder}: {exported.architecture}{step}; tokenizer {tokenizer}")
+        if exported.modelfile is not None:
+            name = exported.folder.stem
+            print(f"for Ollama: ollama create {name} -f {exported.modelfile}")
         if exported.fallbacks:
             print(
                 f"in float16, as {dtype} cannot hold their rows (a length not a multiple of its "

@@ -4,8 +4,11 @@ transformers folder that loads with no octlm installed, or as one GGUF file for 
 The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
 tokenizer (``tokenizer.json``, ``tokenizer_config.json``); docs/transformers.md says what maps
 to what. The GGUF file (``format="gguf"``, or an ``out`` ending in ``.gguf``) holds the model
-and its tokenizer; docs/llama_cpp.md says what it holds. Either is written beside ``out`` under
-a hidden name and renamed into place once whole, so ``out`` is absent or complete: a failed or
+and its tokenizer; docs/llama_cpp.md says what it holds. A chat model's (its tokenizer has
+``<|im_start|>`` and ``<|im_end|>``) carries ChatML, its template, and ends a reply at
+``<|im_end|>``; beside its GGUF file ``NAME.gguf`` goes ``NAME.Modelfile`` for Ollama.
+Either is written beside ``out`` under a hidden name and renamed into place once whole, so
+``out`` is absent or complete (a GGUF file and its Modelfile both or neither): a failed or
 interrupted export (a full disk, Ctrl-C, SIGTERM, SIGHUP) leaves nothing behind. Every file
 is written by Python's own file calls, so a failed write is an ``OSError`` and each file's
 permissions follow the umask, as any new file's do.
@@ -23,13 +26,15 @@ from typing import NamedTuple
 import torch
 
 from octlm import signals
+from octlm.chatml import CHAT_TOKENS, IM_END
 from octlm.model import OctLM
-from octlm.tokenizer import BYTE_VOCAB, TOKENIZER_FILE, BPETokenizer, load_tokenizer
+from octlm.tokenizer import BYTE_VOCAB, END_OF_TEXT, TOKENIZER_FILE, BPETokenizer, load_tokenizer
 from octlm.training.folder import BEST, load_model
 
 BYTES = "bytes"  # the tokenizer of a byte model: ids are the UTF-8 bytes
 FORMATS = ("transformers", "gguf")
 GGUF_SUFFIX = ".gguf"
+MODELFILE_SUFFIX = ".Modelfile"  # a chat model's Ollama Modelfile, beside its GGUF file
 EXPORT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANTIZED = ("q8_0",)  # GGUF only: gguf's own quantizer writes it
 # llama.cpp's converter names (convert_hf_to_gguf.py --outtype) -> export's
@@ -40,8 +45,9 @@ class Exported(NamedTuple):
     """What :func:`export` wrote: the folder (or GGUF file), the class transformers builds
     from it (or ``"GGUF llama"``, ``"GGUF qwen3"``), the checkpoint's step (None for a model
     file), the tokenizer (``"bytes"``, ``"bpe"`` or None), how the checkpoint was chosen (in
-    words; None for a model file), and the matrices written in float16 because a quantized type
-    cannot hold their rows (llama.cpp's names)."""
+    words; None for a model file), the matrices written in float16 because a quantized type
+    cannot hold their rows (llama.cpp's names), and the Ollama Modelfile written beside a chat
+    model's GGUF file (None for a transformers folder or a base model)."""
 
     folder: Path
     architecture: str
@@ -49,6 +55,7 @@ class Exported(NamedTuple):
     tokenizer: str | None
     checkpoint: str | None = None
     fallbacks: tuple[str, ...] = ()
+    modelfile: Path | None = None
 
 
 def export(
@@ -66,8 +73,9 @@ def export(
     ``"last"`` or a step; ``dtype`` (float32, float16, bfloat16; q8_0 for GGUF) converts the
     weights (default: as they are for transformers, float32 for GGUF).
 
-    A run's tokenizer goes with it (its ``tokenizer.json``, else bytes); a model file has bytes
-    as its tokenizer when its vocabulary is 256, and none otherwise (which GGUF refuses).
+    A run's tokenizer goes with it (its ``tokenizer.json``, else bytes; a chat model's with its
+    template, :func:`chat_ends`); a model file has bytes as its tokenizer when its vocabulary
+    is 256, and none otherwise (which GGUF refuses).
     """
     if format is None:
         format = "gguf" if str(out).endswith(GGUF_SUFFIX) else "transformers"
@@ -82,8 +90,10 @@ def export(
     if source.is_dir():
         model, chosen = load_model(source, step=BEST if step is None else step)
         step, how = chosen.step, chosen.how
-        bpe = source / TOKENIZER_FILE
-        tokenizer = BYTES if load_tokenizer(source).name == BYTES else bpe  # sizes checked
+        loaded = load_tokenizer(source)  # its size checked against the model's
+        # a byte run's chat tokenizer (named bytes) goes as its own tokenizer.json
+        tokenizer = source / TOKENIZER_FILE if isinstance(loaded, BPETokenizer) else BYTES
+        kind = loaded.name
     elif source.is_file():
         if step is not None:
             raise ValueError(
@@ -91,12 +101,12 @@ def export(
             )
         model = OctLM.load(source)
         tokenizer = BYTES if model.config.vocab_size == BYTE_VOCAB else None
+        kind = None if tokenizer is None else BYTES
     else:
         raise ValueError(
             f"{str(source)!r} does not exist: expected a run folder or a model file saved with "
             "OctLM.save"
         )
-    kind = None if tokenizer is None else BYTES if tokenizer == BYTES else "bpe"
     if format == "gguf":
         from octlm.integrations import gguf_format
 
@@ -104,7 +114,8 @@ def export(
         path = export_gguf(model, out, tokenizer=tokenizer, dtype=dtype)
         fallbacks = gguf_format.fallbacks(model.config, model.state_dict(), dtype)
         architecture = f"GGUF {gguf_format.architecture(model.config)}"
-        return Exported(path, architecture, step, kind, how, tuple(fallbacks))
+        modelfile = modelfile_path(path) if chat_ends(_special_ids(tokenizer)) else None
+        return Exported(path, architecture, step, kind, how, tuple(fallbacks), modelfile)
     from octlm.integrations import llama_format
 
     if dtype is not None:
@@ -125,12 +136,35 @@ def check_out(out: str | os.PathLike) -> None:
             return
 
 
+def chat_ends(special: dict[str, int]) -> list[str]:
+    """The special tokens that end a chat model's reply, of a tokenizer whose special tokens
+    are ``special``: ``<|im_end|>``, then the end of text where it has one; none for a
+    tokenizer without the chat tokens (a base model's)."""
+    if not all(token in special for token in CHAT_TOKENS):
+        return []
+    return [IM_END] + ([END_OF_TEXT] if END_OF_TEXT in special else [])
+
+
+def modelfile_path(out: str | os.PathLike) -> Path:
+    """Where the Ollama Modelfile of the GGUF file ``out`` goes: ``NAME.Modelfile`` beside
+    ``NAME.gguf``."""
+    out = Path(out)
+    return out.with_name(out.name.removesuffix(GGUF_SUFFIX) + MODELFILE_SUFFIX)
+
+
+def _special_ids(tokenizer: str | os.PathLike | None) -> dict[str, int]:
+    """The special tokens of ``tokenizer`` (``"bytes"``, a ``tokenizer.json``, or None) and
+    their ids."""
+    return {} if tokenizer in (None, BYTES) else BPETokenizer.from_file(tokenizer).special_ids
+
+
 def export_model(
     model: OctLM, out: str | os.PathLike, *, tokenizer: str | os.PathLike | None = BYTES
 ) -> Path:
     """Write ``model`` to the new folder ``out`` as transformers' Llama (Mistral with a window,
     Qwen3 with QK-norm), weights in their dtype, with ``tokenizer``: ``"bytes"``, the path of a
-    BPE ``tokenizer.json``, or None for no tokenizer files. Returns ``out``."""
+    ``tokenizer.json`` (a BPE, or a chat model's), or None for no tokenizer files. Returns
+    ``out``."""
     from octlm.integrations import llama_format, tokenizer_files
 
     out = Path(out)
@@ -144,10 +178,12 @@ def export_model(
             _permissions_of_a_new_folder(staging)
             bpe = None if tokenizer in (None, BYTES) else BPETokenizer.from_file(tokenizer)
             end = None if bpe is None else bpe.end_token
-            llama_format.write(staging, model.config, model.state_dict(), end)
+            special = {} if bpe is None else bpe.special_ids
+            turn = special[IM_END] if chat_ends(special) else None
+            llama_format.write(staging, model.config, model.state_dict(), end, turn)
             if tokenizer is not None:
-                path = None if bpe is None else tokenizer
-                tokenizer_files.write(staging, path, model.config.max_length, end)
+                path = None if tokenizer == BYTES else tokenizer
+                tokenizer_files.write(staging, path, model.config.max_length, special)
             for file in staging.iterdir():
                 _sync(file)
             os.replace(staging, out)  # replaces an empty folder; then the folder is whole
@@ -167,7 +203,9 @@ def export_gguf(
 ) -> Path:
     """Write ``model`` to the new GGUF file ``out`` for llama.cpp, matrices in ``dtype``
     (float32, float16, bfloat16 or q8_0; the norms in float32, from the model's own weights),
-    with ``tokenizer``: ``"bytes"`` or the path of a BPE ``tokenizer.json``. Returns ``out``."""
+    with ``tokenizer``: ``"bytes"`` or the path of a ``tokenizer.json`` (a BPE, or a chat
+    model's). A chat model's Ollama Modelfile goes beside it (:func:`modelfile_path`), written
+    with it: both or neither. Returns ``out``."""
     from octlm.integrations import gguf_format
 
     out = Path(out)
@@ -182,25 +220,40 @@ def export_gguf(
     check_out(out)
     if out.exists():
         raise ValueError(f"out {str(out)!r} exists: choose a new file")
+    stops = chat_ends(_special_ids(tokenizer))
+    modelfile = modelfile_path(out) if stops else None
+    if modelfile is not None and modelfile.exists():
+        raise ValueError(
+            f"{str(modelfile)!r} exists, where the chat model's Ollama Modelfile goes beside "
+            f"{out.name}: choose another out or remove it"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     with signals.stop_on_signals():  # a stop removes what was staged
-        descriptor, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.export-")
-        os.close(descriptor)
-        staging = Path(name)
+        staged, placed = {}, []  # final path -> staging path; the finals renamed so far
         try:
-            _permissions_of_a_new_file(staging)
+            for path in (out, modelfile) if modelfile is not None else (out,):
+                descriptor, name = tempfile.mkstemp(dir=out.parent, prefix=f".{path.name}.export-")
+                os.close(descriptor)
+                staged[path] = Path(name)
+                _permissions_of_a_new_file(staged[path])
             bpe = None if tokenizer == BYTES else tokenizer
             try:
-                gguf_format.write(staging, model.config, model.state_dict(), bpe, dtype)
+                gguf_format.write(staged[out], model.config, model.state_dict(), bpe, dtype)
+                if modelfile is not None:
+                    staged[modelfile].write_text(gguf_format.modelfile(out.name, stops))
             except OSError as error:  # numpy's tofile says only "N requested and 0 written"
                 if error.errno is None and os.statvfs(out.parent).f_bavail == 0:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from None
                 raise
-            _sync(staging)
-            os.replace(staging, out)
+            for staging in staged.values():
+                _sync(staging)
+            for path, staging in staged.items():
+                os.replace(staging, path)
+                placed.append(path)
             _sync(out.parent)
         except BaseException:
-            staging.unlink(missing_ok=True)
+            for path in [*staged.values(), *placed]:
+                path.unlink(missing_ok=True)
             raise
     return out
 

@@ -47,7 +47,8 @@ ahead, never behind), so the tokens equal those of the whole text. A document of
 are encoded together (``encode_batch``), on every core the ``tokenizers`` library uses.
 
 ``load_tokenizer(folder)`` gives a run folder's tokenizer: a folder with ``tokenizer.json`` is
-a BPE run (or a byte run with chat tokens), one without is a byte run. ``tokenizers`` is imported on the BPE paths only.
+a BPE run (or a byte run with chat tokens), one without is a byte run. ``tokenizers`` is
+imported on the BPE paths only.
 """
 
 from __future__ import annotations

@@ -25,8 +25,14 @@ path and the key table.
   a byte that text does not hold, is named instead.
 - Pre-tokenizer ``gpt-2``: its regex is the one ``tokenizers``' ByteLevel pre-tokenizer uses,
   so llama.cpp splits text into the same words (docs/llama_cpp.md weighs the other names).
-- Adding BOS and EOS is off (octlm's models start a text on its first token), and the chat
-  template passes each message's text through, so chat front ends continue the text itself.
+- Adding BOS and EOS is off (octlm's models start a text on its first token).
+- A chat model (its tokenizer has ``<|im_start|>`` and ``<|im_end|>``, :mod:`octlm.chatml`):
+  the chat tokens are CONTROL tokens, ``<|im_end|>`` is the EOS and the end of turn (EOT), and
+  ``tokenizer.chat_template`` is ChatML (:data:`octlm.chatml.JINJA`), which llama.cpp's own
+  template engine knows as ``chatml``. A byte run's chat tokenizer goes as the byte vocabulary
+  above with the chat tokens after it. :func:`modelfile` is the Ollama ``Modelfile`` that
+  export writes beside such a file. A base model's file has no template: with one,
+  ``llama-completion`` turns to conversation mode.
 
 A model with a window is refused: llama.cpp's llama and qwen3 architectures have no sliding
 window and would attend to every key.
@@ -47,6 +53,7 @@ try:
 except ImportError as error:
     raise ImportError("writing a GGUF file needs gguf: pip install 'octlm[export]'") from error
 
+from octlm.chatml import CHAT_TOKENS, IM_END, JINJA, OLLAMA
 from octlm.integrations.llama_format import renamed
 from octlm.tokenizer import BYTE_VOCAB, END_OF_TEXT, byte_symbols
 
@@ -155,24 +162,43 @@ def encoded(tensor: Tensor, kind: gguf.GGMLQuantizationType) -> np.ndarray:
 
 
 def vocabulary(bpe: str | os.PathLike | None) -> dict:
-    """The gpt2-type vocabulary of a BPE ``tokenizer.json`` (None: bytes): tokens, token types,
-    merges, and the EOS id (None where the run has no end token)."""
+    """The gpt2-type vocabulary of a BPE ``tokenizer.json`` (None: bytes): tokens, token types
+    (the special tokens CONTROL), merges (one that never applies where the file has none), the
+    EOS id (None where the run has no end token) and the end of turn (the id of
+    ``<|im_end|>`` in a chat model's tokenizer, else None)."""
+    symbols = byte_symbols()
+    never = f"{symbols[0] * 2} {symbols[0]}"  # no merge makes its left side
     if bpe is None:
-        symbols = byte_symbols()
-        never = f"{symbols[0] * 2} {symbols[0]}"  # no merge makes its left side
         normal = [gguf.TokenType.NORMAL] * BYTE_VOCAB
-        return {"tokens": symbols, "types": normal, "merges": [never], "end": None}
+        return {"tokens": symbols, "types": normal, "merges": [never], "end": None, "turn": None}
     spec = json.loads(Path(bpe).read_text())
-    added = {token["id"]: token["content"] for token in spec.get("added_tokens") or []}
-    pieces = {index: token for token, index in spec["model"]["vocab"].items()} | added
+    added = {token["content"]: token["id"] for token in spec.get("added_tokens") or []}
+    pieces = {index: token for token, index in spec["model"]["vocab"].items()}
+    pieces |= {index: token for token, index in added.items()}
     tokens = [pieces[index] for index in range(len(pieces))]
+    control = set(added.values())
     types = [
-        gguf.TokenType.CONTROL if index in added else gguf.TokenType.NORMAL
+        gguf.TokenType.CONTROL if index in control else gguf.TokenType.NORMAL
         for index in range(len(tokens))
     ]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    end = next((index for index, text in added.items() if text == END_OF_TEXT), None)
-    return {"tokens": tokens, "types": types, "merges": merges, "end": end}
+    chat = all(token in added for token in CHAT_TOKENS)
+    return {
+        "tokens": tokens,
+        "types": types,
+        "merges": merges or [never],  # a byte run's chat tokenizer has no merges
+        "end": added.get(END_OF_TEXT),
+        "turn": added[IM_END] if chat else None,
+    }
+
+
+def modelfile(gguf_name: str, stops: list[str]) -> str:
+    """The Ollama ``Modelfile`` of a chat model's GGUF file ``gguf_name`` (in the same folder):
+    ChatML as its ``TEMPLATE`` (:data:`octlm.chatml.OLLAMA`) and a ``stop`` for each of
+    ``stops``, the special tokens that end a reply."""
+    lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{OLLAMA}"""']
+    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
+    return "\n".join(lines) + "\n"
 
 
 def write(
@@ -195,6 +221,7 @@ def write(
             f"the tokenizer has {len(words['tokens'])} tokens and the model {config.vocab_size}"
         )
     end = END_OF_BYTES if words["end"] is None else words["end"]
+    turn = words["turn"]
     writer = gguf.GGUFWriter(os.fspath(path), architecture(config))
     writer.add_name(name)
     writer.add_file_type(FILE_TYPES[dtype])
@@ -216,11 +243,13 @@ def write(
     writer.add_token_types(words["types"])
     writer.add_token_merges(words["merges"])
     writer.add_bos_token_id(end)
-    writer.add_eos_token_id(end)
+    writer.add_eos_token_id(end if turn is None else turn)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
-    # No chat template: with one, llama-completion turns to conversation mode, and its own
-    # template engine refuses any template it does not know; a base model continues text.
+    # A base model has no chat template: with one, llama-completion turns to conversation mode.
+    if turn is not None:
+        writer.add_eot_token_id(turn)
+        writer.add_chat_template(JINJA)
     for tensor_name, tensor in gguf_tensors(config, state).items():
         kind = tensor_type(tensor, dtype)
         writer.add_tensor(tensor_name, encoded(tensor, kind), raw_dtype=kind)

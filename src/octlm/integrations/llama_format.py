@@ -83,16 +83,25 @@ REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 
 def write(
-    folder: str | os.PathLike, config, state: dict[str, Tensor], end_token: int | None = None
+    folder: str | os.PathLike,
+    config,
+    state: dict[str, Tensor],
+    end_token: int | None = None,
+    end_of_turn: int | None = None,
 ) -> None:
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` for the octlm
     model of ``config`` (a ``ModelConfig``) whose weights are ``state`` (its state dict);
     ``end_token`` is the id of the run's end-of-text token (None: no token ends a sequence, as
-    in a byte run), its ``eos_token_id``."""
+    in a byte run), its ``eos_token_id``. A chat model's ``end_of_turn`` (the id of
+    ``<|im_end|>``) ends a reply: ``generate`` stops there, or at the end of text where the
+    run has one (``eos_token_id`` ``[end_of_turn, end_token]`` in ``generation_config.json``)."""
     folder = Path(folder)
     dtype = state["embedding.weight"].dtype
     _write_json(folder / CONFIG, llama_config(config, dtype, end_token))
-    generation = {"bos_token_id": None, "eos_token_id": end_token, "pad_token_id": None}
+    stops = end_token
+    if end_of_turn is not None:
+        stops = end_of_turn if end_token is None else [end_of_turn, end_token]
+    generation = {"bos_token_id": None, "eos_token_id": stops, "pad_token_id": None}
     _write_json(folder / GENERATION_CONFIG, generation)
     # Serialised in memory, written by Python: a full disk is an OSError (safetensors' own
     # writer raises SafetensorError) and the file follows the umask (safetensors' is 0600).

@@ -9,6 +9,14 @@ it is. ``tokenizer_config.json`` makes ``AutoTokenizer`` read either as a fast t
 adds no token of its own (``add_bos_token`` and ``add_eos_token`` false, said outright: some
 readers, Ollama's among them, default to adding one), and names the run's end-of-text token as
 ``eos_token`` where it has one.
+
+A chat model's tokenizer (one with ``<|im_start|>`` and ``<|im_end|>``, which ``octlm finetune``
+adds; a byte run's is then a ``tokenizer.json`` of its own, the 256 bytes and the chat tokens)
+goes over as it is too, and its ``tokenizer_config.json`` adds what a chat front end reads:
+``chat_template`` (ChatML, :data:`octlm.chatml.JINJA`), ``<|im_end|>`` as ``eos_token`` (it
+ends a reply), and every special token marked special (``added_tokens_decoder``, and those
+other than the ``eos_token`` as ``additional_special_tokens``, which transformers 4 reads and
+5 reads as ``extra_special_tokens``).
 """
 
 from __future__ import annotations
@@ -19,41 +27,36 @@ import shutil
 from pathlib import Path
 
 try:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer
 except ImportError as error:
     raise ImportError(
         "writing and reading tokenizer files needs tokenizers: pip install tokenizers"
     ) from error
 
+from octlm.chatml import CHAT_TOKENS, IM_END, JINJA
 from octlm.tokenizer import BYTE_VOCAB as BYTES
-from octlm.tokenizer import END_OF_TEXT, BPETokenizer, byte_symbols, probe_text
+from octlm.tokenizer import END_OF_TEXT, BPETokenizer, byte_level_tokenizer, probe_text
 from octlm.tokenizer import TOKENIZER_FILE as TOKENIZER
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
-
-
-def byte_tokenizer() -> Tokenizer:
-    """A tokenizer whose ids are the UTF-8 bytes of any text, and which decodes them back."""
-    vocabulary = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
-    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
 
 
 def write(
     folder: str | os.PathLike,
     bpe: str | os.PathLike | None,
     max_length: int,
-    end_token: int | None = None,
+    special: dict[str, int] | None = None,
 ) -> None:
-    """The tokenizer files of a run: a copy of its BPE ``tokenizer.json``, or with ``bpe`` None
-    the byte tokenizer; and the ``tokenizer_config.json`` that AutoTokenizer reads, naming
-    :data:`END_OF_TEXT` as ``eos_token`` when ``end_token`` (its id) is given."""
+    """The tokenizer files of a run: a copy of its ``tokenizer.json``, or with ``bpe`` None
+    the byte tokenizer; and the ``tokenizer_config.json`` that AutoTokenizer reads, with
+    ``special`` the tokenizer's special tokens and their ids: :data:`END_OF_TEXT` as
+    ``eos_token`` where it is one of them, and with the chat tokens the chat template and
+    ``<|im_end|>`` as ``eos_token`` instead (the module docstring)."""
     folder = Path(folder)
+    special = special or {}
     if bpe is None:
         # written by Python: a full disk is an OSError (tokenizers raises a bare Exception)
-        (folder / TOKENIZER).write_text(byte_tokenizer().to_str())
+        (folder / TOKENIZER).write_text(byte_level_tokenizer().to_str())
     else:
         shutil.copyfile(bpe, folder / TOKENIZER)
     config = {
@@ -63,8 +66,20 @@ def write(
         "add_bos_token": False,
         "add_eos_token": False,
     }
-    if end_token is not None:
+    if END_OF_TEXT in special:
         config["eos_token"] = END_OF_TEXT
+    if all(token in special for token in CHAT_TOKENS):
+        config["eos_token"] = IM_END
+        config["chat_template"] = JINJA
+        ordered = sorted(special, key=special.get)
+        config["additional_special_tokens"] = [t for t in ordered if t != IM_END]
+        config["added_tokens_decoder"] = {
+            str(special[token]): {
+                "content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                "single_word": False, "special": True,
+            }
+            for token in ordered
+        }  # fmt: skip
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -387,6 +387,9 @@ def resolve(
     run_values = run_values | (run or {})
     run_config = RunConfig(**run_values)
     if run_config.init_from is not None and resume is None:
+        if "length" not in run_values:  # rows as long as the base's context
+            base = _imported_model(dataclasses.replace(run_config, length=1), preset, given)
+            run_config = dataclasses.replace(run_config, length=base["max_length"])
         model_values = _imported_model(run_config, preset, given)
         run_config = imported_tokenizer(run_config, run_values)
     model_values.setdefault("max_length", run_config.length)

@@ -758,7 +758,8 @@ def _announce(
     if chosen.get("tokenizer"):
         print(chosen["tokenizer"])
     print(
-        f"model {parameters / 1e6:.2f}M parameters, attention {model_config.attention}; "
+        f"model {parameters / 1e6:.2f}M parameters, context {model_config.max_length:,} tokens, "
+        f"attention {model_config.attention}; "
         f"{cluster.world} process(es), {cluster.mode}, {cluster.device}, "
         f"{dtype if chosen['dtype'] else run.dtype}, "
         f"{'compiled' if run.compile == 'on' else 'eager'} ({chosen['compile']}); "

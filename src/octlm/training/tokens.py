@@ -99,7 +99,8 @@ def write_tokens(
     summary |= {f"{split}_{what}": 0 for split in SPLITS for what in ("documents", "bytes")}
     summary |= {f"{split}_tokens": 0 for split in SPLITS}
     summary |= {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size}
-    summary["end_token"] = tokenizer.end_token  # the id that ends each document, or None
+    # the id that ends each document, or None (a conversation ends with its <|im_end|>)
+    summary["end_token"] = None if found.formats.chat_format else tokenizer.end_token
     summary["dtype"] = token_dtype(tokenizer.vocab_size)
     summary["files"] = found.fingerprint
     chat = found.formats.chat_format is not None
