@@ -11,7 +11,8 @@ when it is the answer exactly and the model then ends its turn (or its text). Th
 are the model's summed loss, in bits, on the supervised tokens of the whole conversation in
 ChatML (each assistant message and its ``<|im_end|>``), over the UTF-8 bytes of the assistant
 messages: ``<|im_end|>`` is in the loss and stands for no byte. :func:`score` does the same for
-a model and tokenizer in hand.
+a model and tokenizer in hand. A run without chat tokens (a base) is scored as its fine-tune
+starts: the chat tokens added, their rows the mean of the others.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 import octlm
 from octlm import chatml, records
 from octlm.chat import TEXT_ENDED, TURN_ENDED, reply
+from octlm.tokenizer import with_chat_tokens
+from octlm.training.base import grown
 from octlm.training.folder import BEST, choose
 
 SHOWN_MISSES = 5  # wrong replies printed under the table
@@ -113,6 +117,17 @@ def table(found: dict) -> str:
     return "\n".join(lines)
 
 
+def as_fine_tune_starts(model, tokenizer):
+    """A base model and tokenizer as ``octlm finetune`` starts from them: the chat tokens added
+    to the tokenizer, their embedding rows the mean of the others (octlm.training.base)."""
+    chat = with_chat_tokens(tokenizer)
+    config = replace(model.config, vocab_size=chat.vocab_size)
+    grown_state = grown(model.state_dict(), tokenizer.vocab_size, chat.vocab_size)
+    started = octlm.OctLM(config)
+    started.load_state_dict(grown_state | {"_extra_state": started.get_extra_state()})
+    return started.eval(), chat
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, metavar="RUN", help="a run folder with chat tokens")
@@ -138,13 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         conversations = [json.loads(line) for line in lines if line.strip()]
     chosen = choose(args.run, args.step)
     model, tokenizer, step = octlm.load_run(args.run, step=chosen.step)
+    added = "<|im_start|>" not in tokenizer.special_ids
+    if added:  # a base: scored as its fine-tune starts, the chat tokens added
+        model, tokenizer = as_fine_tune_starts(model, tokenizer)
     started = time.perf_counter()
     found = score(model, tokenizer, conversations)
     seconds = time.perf_counter() - started
-    print(f"{args.run}, checkpoint of step {step} ({chosen.how}), {args.questions}")
+    before = ", as a fine-tune starts from it (chat tokens added)" * added
+    print(f"{args.run}, checkpoint of step {step} ({chosen.how}){before}, {args.questions}")
     print(table(found))
     record = records.make("check", "chat-exact", label=args.label, folder=str(args.run))
     record |= {"step": step, "checkpoint": chosen.how, "tokenizer": tokenizer.name}
+    record["chat_tokens_added"] = added
     record |= {"questions": str(args.questions), "seconds": seconds, **found}
     record["misses"] = found["misses"][:SHOWN_MISSES]
     records.append(args.record, record)
