@@ -197,13 +197,18 @@ def _finetune_parser(parser: argparse.ArgumentParser) -> None:
     flags.add_arguments(parser, run_fields, INTERCHANGEABLE | {"max_length"})
     parser.set_defaults(**{"run.data": None})
     _training_run(
-        parser, lambda args: {"init_from": args.base, "chat": True, "pack": True}, preset=False
+        parser,
+        lambda args: {"init_from": args.base, "chat": True, "pack": True},
+        {"--init-step": "--step", "--init-from": "BASE"},
     )
 
 
-def _training_run(parser: argparse.ArgumentParser, fixed, preset: bool = True) -> None:
+def _training_run(
+    parser: argparse.ArgumentParser, fixed, spelled: dict[str, str] | None = None
+) -> None:
     """The run of ``octlm train`` and ``octlm finetune``: the run values the flags give, over
-    which ``fixed(args)`` sets a verb's own (for a new run; a resume keeps the run's)."""
+    which ``fixed(args)`` sets a verb's own (for a new run; a resume keeps the run's); an error
+    names a flag as the verb spells it (``spelled``: a field's flag -> the verb's)."""
     from octlm.training import config, flags
 
     def run(args: argparse.Namespace) -> int:
@@ -228,7 +233,10 @@ def _training_run(parser: argparse.ArgumentParser, fixed, preset: bool = True) -
                 given=given,
             )
         except ValueError as error:  # said with the flags the user typed
-            raise ValueError(flags.as_flags(str(error))) from None
+            said = flags.as_flags(str(error))
+            for flag, spelling in (spelled or {}).items():
+                said = said.replace(flag, spelling)
+            raise ValueError(said) from None
         if outcome.rank == 0:
             if outcome.val_bits_per_byte is not None:
                 print(

@@ -212,6 +212,7 @@ class BPETokenizer:
             self._pieces[index] = bytes(value[character] for character in token)
         # bytes: no merges, and each byte's id its value (a byte run given chat tokens)
         plain = self.vocab_size - len(self.special_ids) == BYTE_VOCAB
+        plain = plain and set(self.special_ids) <= set(CHAT_TOKENS)  # bytes and chat tokens only
         self.name = "bytes" if plain and self._byte_ids == list(range(BYTE_VOCAB)) else "bpe"
 
     @classmethod

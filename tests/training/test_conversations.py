@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from octlm.chatml import Message
 from octlm.training import conversations, readers
+from octlm.training.config import RunConfig
 from octlm.training.corpus import Corpus, record_fraction
 from octlm.training.formats import CHAT_FORMATS, DEFAULT_GLOB, Formats
 from tests.training.test_readers import COMPRESSIONS, arrow_bytes, write_compressed
@@ -377,14 +378,12 @@ def test_the_options_of_a_chat_corpus_name_its_format_and_a_plain_one_s_are_unch
 
 def test_a_run_s_chat_format_and_strict_reach_the_corpus(tmp_path):
     file = write(tmp_path, "jsonl", CASES["messages"][0])
-    run = SimpleNamespace(data=file, glob=None, val_share=0.1, text_field="text", separator=None)
+    run = RunConfig(data=str(file))
     assert Corpus.of(run).formats == Formats()
-    run.chat_format, run.strict = "alpaca", True
+    run = replace(run, chat=True, chat_format="alpaca", strict=True)
     assert Corpus.of(run).formats == Formats(chat_format="alpaca", strict=True)
-    run.chat = False  # a chat format is read only by a --chat run
+    run = replace(run, chat=False)  # a chat format is read only by a --chat run
     assert Corpus.of(run).formats == Formats(strict=True)
-    run.chat = True
-    assert Corpus.of(run).formats == Formats(chat_format="alpaca", strict=True)
 
 
 def test_a_chat_format_is_one_the_readers_know():

@@ -40,6 +40,11 @@ def is_run(folder: str | os.PathLike) -> bool:
     return isinstance(content, dict) and {"model", "run"} <= set(content)
 
 
+def step_of(init_step: str) -> int | str:
+    """A run's ``init_step`` as a checkpoint choice: ``best``, ``last`` or a step."""
+    return int(init_step) if init_step.isdigit() else init_step
+
+
 def tokenizer_of(folder: str | os.PathLike, chat: bool = False) -> ByteTokenizer | BPETokenizer:
     """The tokenizer of the base in ``folder`` (with ``chat``, the chat tokens added where it
     lacks them); ValueError for a tokenizer octlm cannot train with, naming the field, or one

@@ -395,6 +395,8 @@ def resolve(
     model_values.setdefault("max_length", run_config.length)
     if run_config.tokenizer == "bpe":
         model_values.setdefault("vocab_size", DEFAULT_BPE_VOCAB)
+    elif run_config.tokenizer == "bytes" and run_config.chat:  # the bytes and the chat tokens
+        model_values.setdefault("vocab_size", BYTE_VOCAB + len(CHAT_TOKENS))
     if run_config.context_parallel:
         model_values["attention"] = "ring"
     model_config = model_from_dict(model_values)

@@ -31,7 +31,7 @@ from octlm.tokenizer import (
     with_chat_tokens,
 )
 from octlm.training import checkpoint, lock, tokens
-from octlm.training.base import tokenizer_of
+from octlm.training.base import is_run, step_of, tokenizer_of
 from octlm.training.config import (
     CONFIG_FILE,
     RunConfig,
@@ -98,6 +98,8 @@ def prepare(
     if run.init_from is not None and not resume:  # refused before the folder is touched
         base = tokenizer_of(run.init_from)
         imported = with_chat_tokens(base) if run.chat else base
+        if is_run(run.init_from):  # its checkpoint, found before anything is written
+            choose(run.init_from, step_of(run.init_step))
     if not resume and _unfinished(folder):  # a start of ours that failed: what it left goes
         shutil.rmtree(folder / DATA_FOLDER, ignore_errors=True)
         for name in (CONFIG_FILE, TOKENIZER_FILE, PREPARING, *TEMPORARIES):

@@ -45,7 +45,7 @@ from octlm.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from octlm.training import checkpoint, distributed, tokens
 from octlm.training import folder as run_folder
 from octlm.training.allocator import keep_freed_memory
-from octlm.training.base import grown, is_run, tokenizer_of
+from octlm.training.base import grown, is_run, step_of, tokenizer_of
 from octlm.training.batches import IGNORED, Batch, Batches, PackedBatches, evaluation_batches
 from octlm.training.budget import Stopwatch
 from octlm.training.compiled import CompiledLoss, compiles_here
@@ -680,8 +680,7 @@ def _base_weights(run: RunConfig, model_config: ModelConfig) -> dict[str, Tensor
     a transformers folder's), their per-token rows those of the run's tokenizer
     (:func:`octlm.training.base.grown`)."""
     if is_run(run.init_from):
-        step = int(run.init_step) if run.init_step.isdigit() else run.init_step
-        state = run_folder.load_model(run.init_from, step=step)[0].state_dict()
+        state = run_folder.load_model(run.init_from, step=step_of(run.init_step))[0].state_dict()
     else:
         state = OctLM.from_pretrained(run.init_from).state_dict()
     rows = tokenizer_of(run.init_from).vocab_size

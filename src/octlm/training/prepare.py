@@ -270,7 +270,8 @@ def prepare_folder(
             )
         if is_prepared(out):
             summary = tokens.read_summary(out)
-            chat = len(CHAT_TOKENS) * run.chat  # a conversation folder's tokens: chat ones too
+            # a conversation folder's BPE has the chat tokens too (a byte run's vocab has them)
+            chat = len(CHAT_TOKENS) * (run.chat and run.tokenizer != "bytes")
             wanted = (run.tokenizer, model.vocab_size + chat)
             if run.tokenizer == AUTO and "vocab_size" in given:  # auto takes what it names
                 named = "bytes" if model.vocab_size == BYTE_VOCAB else "bpe"

@@ -29,6 +29,7 @@ import dataclasses
 import math
 import os
 
+from octlm.chatml import CHAT_TOKENS
 from octlm.model import ModelConfig
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB
 from octlm.training.config import RunConfig, check_compatible
@@ -98,7 +99,7 @@ def with_tokenizer(
     said = ""
     follows = "max_length" not in given and model.max_length == run.length  # the default
     if vocab_size is None and tokenizer == "bytes":
-        vocab_size = BYTE_VOCAB
+        vocab_size = BYTE_VOCAB + len(CHAT_TOKENS) * run.chat  # a chat run's: chat tokens too
     elif vocab_size is None:  # a BPE of the vocabulary given, else of the default one
         vocab_size = DEFAULT_BPE_VOCAB if model.vocab_size == BYTE_VOCAB else model.vocab_size
     run = dataclasses.replace(run, tokenizer=tokenizer)
