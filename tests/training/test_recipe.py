@@ -67,6 +67,31 @@ def test_a_time_budget_counts_at_the_host_rate_and_steps_bound_it(monkeypatch):
         recipe.tokenizer_for(budget, ModelConfig(), frozenset(), size)
 
 
+def test_without_a_pinned_rate_a_budget_counts_at_the_hosts_measured_rate(monkeypatch):
+    """The rate follows the host's peak (here given by $OCTLM_PEAK_FLOPS) and the model's
+    FLOPs per token: twice the peak trains twice the tokens, a model of twice the FLOPs
+    half; no peak measured: 30,000 tokens a second. The line says the rate it used."""
+    monkeypatch.delenv(recipe.RATE_VARIABLE, raising=False)
+    budget = RunConfig(time_budget="100s", steps=10**9)
+    small = ModelConfig(width=64, n_layers=2, n_heads=2, vocab_size=4096)
+    # 6 x (2 layers x (64 x 192 + 64 x 64 + 3 x 64 x 176) + 64 x 4096) + 6 x 2 x 128 x 64
+    flops = 6 * (2 * (64 * 192 + 64 * 64 + 3 * 64 * 176) + 64 * 4096) + 6 * 2 * 128 * 64
+    assert small.mlp_width == 176
+    tokens = {}
+    for peak in (1e11, 2e11):
+        monkeypatch.setenv("OCTLM_PEAK_FLOPS", str(peak))
+        rate = recipe.tokens_per_second(small, budget)
+        assert rate == pytest.approx(peak * recipe.STEP_SHARE / flops)
+        # auto's model has the byte vocabulary until it settles: the rate is a BPE run's
+        bytes_model = ModelConfig(width=64, n_layers=2, n_heads=2)
+        _, why = recipe.tokenizer_for(budget, bytes_model, frozenset(), 10**9)
+        tokens[peak] = rate * 100
+        assert f"{tokens[peak]:,.0f} tokens" in why and f"{rate:,.0f} tokens a second" in why
+    assert tokens[2e11] == pytest.approx(2 * tokens[1e11])
+    monkeypatch.setenv("OCTLM_PEAK_FLOPS", "0")  # not measured
+    assert recipe.tokens_per_second(small, budget) == recipe.TOKENS_PER_SECOND
+
+
 def test_a_small_corpus_read_many_times_gets_bytes_and_byte_rows(small, tmp_path):
     made = settled(small, tmp_path / "t")
     assert (made.run.tokenizer, made.model.vocab_size) == ("bytes", 256)

@@ -10,8 +10,10 @@ It is settled once the run is resolved, on rank 0, from the opened corpus, and s
 
    A run trains on ``steps x batch x length`` tokens (``--batch`` is the global batch, over
    all ranks and ``--accumulate``), or with a ``--time-budget`` on its seconds times the
-   host's rate (:func:`tokens_per_second`) where that is fewer. ``auto`` is ``bpe`` where a
-   BPE run reads its text at most :data:`BPE_PASSES` times and ``bytes`` beyond: a small
+   host's rate where that is fewer: the share of the host's measured peak that a step
+   reaches, over the model's FLOPs per token (:func:`tokens_per_second`). ``auto`` is
+   ``bpe`` where a BPE run reads its text at most :data:`BPE_PASSES` times and ``bytes``
+   beyond: a small
    corpus read over and over is overfitted first through the BPE's rare tokens, and a byte
    model sees a third as much text per step.
 3. A BPE the training text cannot reach (too few distinct pairs to merge into its
@@ -29,12 +31,19 @@ import dataclasses
 import math
 import os
 
+import torch
+
 from octlm.chatml import CHAT_TOKENS
 from octlm.model import ModelConfig
 from octlm.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB
 from octlm.training.config import RunConfig, check_compatible
+from octlm.training.precision import resolve_dtype
+from octlm.training.utilisation import flops_per_token, peak
 
-TOKENS_PER_SECOND = 30_000  # the tiny preset's eager rate on two cores of an AVX-512 CPU
+# The share of the host's peak FLOP/s a step reaches: eager float32 steps of the presets reach
+# 42-47% on an AVX2-only CPU (docs/benchmarks.md, 'Share of peak').
+STEP_SHARE = 0.4
+TOKENS_PER_SECOND = 30_000  # the rate where no peak is measured ($OCTLM_PEAK_FLOPS=0)
 RATE_VARIABLE = "OCTLM_TOKENS_PER_SECOND"  # pins the host's rate (tests, repeatable runs)
 BPE_BYTES_PER_TOKEN = 3.3
 BPE_PASSES = 4.0
@@ -44,12 +53,19 @@ BYTE_ROWS = {"length": 256, "batch": 8}
 ROW_MULTIPLE = 8  # rows shrunk to fit a short validation split stay a multiple of this
 
 
-def tokens_per_second() -> float:
-    """The rate a ``--time-budget`` run is expected to train at: ``$OCTLM_TOKENS_PER_SECOND``
-    where set, else :data:`TOKENS_PER_SECOND`."""
+def tokens_per_second(model: ModelConfig, run: RunConfig) -> float:
+    """The rate a ``--time-budget`` run of a BPE ``model`` is expected to train at:
+    ``$OCTLM_TOKENS_PER_SECOND`` where set; else the host's peak in the run's dtype
+    (:func:`octlm.training.utilisation.peak`, measured once and cached) times
+    :data:`STEP_SHARE` over the model's FLOPs per token; :data:`TOKENS_PER_SECOND` where no
+    peak is measured."""
     text = os.environ.get(RATE_VARIABLE)
     if text is None:
-        return TOKENS_PER_SECOND
+        device = torch.device(run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        flops = peak(device, resolve_dtype(run.dtype, device))
+        if flops is None:
+            return TOKENS_PER_SECOND
+        return flops * STEP_SHARE / flops_per_token(model, run.length)
     try:
         rate = float(text)
     except ValueError:
@@ -59,17 +75,19 @@ def tokens_per_second() -> float:
     return rate
 
 
-def trained_tokens(run: RunConfig) -> float:
-    """The tokens ``run`` trains on: its steps' rows, or its budget's worth where fewer."""
+def trained_tokens(run: RunConfig, rate: float) -> float:
+    """The tokens ``run`` trains on: its steps' rows, or its budget's worth at ``rate`` tokens
+    a second where fewer."""
     tokens = run.batch * run.length * (run.steps or math.inf)
     if run.time_budget is not None:
-        tokens = min(tokens, tokens_per_second() * run.budget_seconds)
+        tokens = min(tokens, rate * run.budget_seconds)
     return tokens
 
 
-def passes(run: RunConfig, size: int) -> float:
-    """How many times ``run`` would read a training split of ``size`` bytes with a BPE."""
-    return trained_tokens(run) * BPE_BYTES_PER_TOKEN / max(size, 1)
+def passes(run: RunConfig, size: int, rate: float) -> float:
+    """How many times ``run`` would read a training split of ``size`` bytes with a BPE, at
+    ``rate`` tokens a second."""
+    return trained_tokens(run, rate) * BPE_BYTES_PER_TOKEN / max(size, 1)
 
 
 def tokenizer_for(run: RunConfig, model: ModelConfig, given: frozenset, size: int):
@@ -78,11 +96,15 @@ def tokenizer_for(run: RunConfig, model: ModelConfig, given: frozenset, size: in
     if "vocab_size" in given or model.vocab_size != BYTE_VOCAB:
         name = "bytes" if model.vocab_size == BYTE_VOCAB else "bpe"
         return name, f"--vocab-size {model.vocab_size} names it"
-    over = passes(run, size)
-    tokens = trained_tokens(run)
+    bpe = dataclasses.replace(model, vocab_size=DEFAULT_BPE_VOCAB)
+    rate = tokens_per_second(bpe, run) if run.time_budget is not None else math.nan
+    over = passes(run, size, rate)
+    tokens = trained_tokens(run, rate)
     figures = (
         f"{tokens:,.0f} tokens x {BPE_BYTES_PER_TOKEN} bytes / {size:,} bytes of training text"
     )
+    if tokens < run.batch * run.length * (run.steps or math.inf):  # the budget bounds it
+        figures += f"; {rate:,.0f} tokens a second for {run.budget_seconds:g} s"
     if over > BPE_PASSES:
         return (
             "bytes",
