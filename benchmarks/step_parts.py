@@ -8,7 +8,10 @@ One process; the default recipe's shapes (16 x 128 tokens, Muon, bfloat16 autoca
 CPU has bfloat16 units), large freed blocks kept as ``octlm train`` keeps them on a CPU. Each
 part is timed on its own with ``time.perf_counter`` over ``--steps`` steps after five warm-up
 steps (the compilation among them); the record gives each part's median milliseconds, eager
-and compiled.
+and compiled, and the share of the host's peak (octlm.training.utilisation) that the forward
+and the backward reach: a third of the model's FLOPs per token in the forward, two thirds in
+the backward (docs/benchmarks.md, 'Share of peak'); the optimizer's products are no model
+FLOPs, so its time is given as its share of the step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from octlm.training.config import PRESETS, TRAINING_DTYPES
 from octlm.training.loop import _summed_loss
 from octlm.training.optim import make_optimizer
 from octlm.training.precision import resolve_dtype
+from octlm.training.utilisation import flops_per_token, peak
 
 BATCH, LENGTH = 16, 128
 
@@ -50,6 +54,21 @@ def parts(model: OctLM, loss, optimizer, tokens, dtype, steps: int) -> dict[str,
             times["backward"].append(backward - forward)
             times["optimizer"].append(done - backward)
     return {name: 1000 * statistics.median(seconds) for name, seconds in times.items()}
+
+
+def shares(milliseconds: dict[str, float], config: ModelConfig, dtype: str) -> dict[str, float]:
+    """Each part's share: of the host's peak FLOP/s for the forward and the backward, of the
+    step's time for the optimizer."""
+    flops = flops_per_token(config, LENGTH) * BATCH * LENGTH  # a step's model FLOPs
+    best = peak(torch.device("cpu"), dtype)
+    step = sum(milliseconds.values())
+    found = {"optimizer, of the step": round(milliseconds["optimizer"] / step, 3)}
+    if best is not None:
+        for name, third in (("forward and loss", 1), ("backward", 2)):
+            rate = flops * third / 3 / (milliseconds[name] / 1000)
+            found[f"{name}, of peak"] = round(rate / best, 3)
+        found["step, of peak"] = round(flops / (step / 1000) / best, 3)
+    return found
 
 
 def main() -> None:
@@ -75,7 +94,9 @@ def main() -> None:
         )
         loss = torch.compile(_summed_loss) if mode == "compiled" else _summed_loss
         record[mode] = parts(model, loss, optimizer, tokens, dtype, args.steps)
+        record[f"{mode} share"] = shares(record[mode], config, record["dtype"])
         print(mode, {name: round(ms, 1) for name, ms in record[mode].items()}, flush=True)
+        print(f"{mode} share", record[f"{mode} share"], flush=True)
     print(json.dumps(record))
     records.append(args.output, record)
 

@@ -24,7 +24,7 @@ import ast
 import io
 import re
 import tokenize
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from octlm import ModelConfig
+from octlm.tokenizer import ByteTokenizer, with_chat_tokens
 from tests.transformers_folders import make_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,22 +79,31 @@ ALL = [snippet for page in PAGES for snippet in snippets(page)]
 # A run (as `octlm train` leaves it) and exports of it (as `octlm export` writes them): tiny,
 # with room for the prompts and generations the docs show.
 RUN_CONFIG = ModelConfig(vocab_size=256, width=32, n_layers=1, n_heads=4, max_length=128)
-RUNS = ("runs/laptop", "runs/train")
-EXPORTS = ("hf/train", "hf/laptop", "exported", "llama-folder", "some-folder")
+RUNS = ("runs/laptop", "runs/train", "runs/chat")
+EXPORTS = ("hf/train", "hf/laptop", "exported", "llama-folder", "some-folder", "exported-chat")
 
 
 def _folder(workspace: Path, name: str) -> None:
-    """Make the folder ``name`` that a snippet names, if it is not there yet."""
+    """Make the folder ``name`` that a snippet names, if it is not there yet: a run (a chat
+    run's with the byte tokenizer and the chat tokens), or an export of one."""
     path = workspace / name
     if path.exists():
+        return
+    if name == "runs/chat":
+        chat = with_chat_tokens(ByteTokenizer())
+        (workspace / "chat-tokenizer").mkdir()
+        chat.save(workspace / "chat-tokenizer")
+        config = replace(RUN_CONFIG, vocab_size=chat.vocab_size)
+        make_run(path, config, tokenizer=workspace / "chat-tokenizer" / "tokenizer.json")
         return
     if name in RUNS:
         make_run(path, RUN_CONFIG)
         return
     from octlm.export import export
 
-    _folder(workspace, RUNS[0])
-    export(workspace / RUNS[0], path)
+    run = RUNS[2] if name == "exported-chat" else RUNS[0]
+    _folder(workspace, run)
+    export(workspace / run, path)
 
 
 @pytest.fixture(scope="module")
