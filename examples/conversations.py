@@ -18,9 +18,11 @@ recalled, only computed. They are spelled a letter at a time, so that a byte-lev
 each letter as a token of its own, as bytes do, and every operation works on tokens whatever
 the model's tokenizer. Held-out questions use strings that occur in no training question: a
 right answer there is the operation learned, not a conversation remembered. Each record also
-names its ``op``, its ``string`` (and the ``letter`` counted), which the benchmark counts by and
-a test checks the split with. The same seed writes the same files; the defaults fit a
-fine-tune of about five minutes on a 2-core CPU.
+names its last question's ``op``, ``string`` (and the ``letter`` counted), which the benchmark
+counts by, and every question's in ``turns``, which a test checks the split with. Training
+conversations hold one to three questions, some after a system message, as a conversation in
+``octlm chat`` goes on; held-out ones hold one. The same seed writes the same files; the
+defaults fit a fine-tune of about five minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ STRING_OPS = {
     "length": ("Length: {}", lambda text: str(len(text))),
 }
 OPS = (*STRING_OPS, "count")
+TURNS = {1: 0.6, 2: 0.25, 3: 0.15}  # questions in a training conversation, and their shares
+SYSTEMS = ("Answer exactly.", "You follow instructions.", "Be brief.")
+SYSTEM_SHARE = 0.3  # training conversations that open with a system message
 
 
 def random_string(draw: random.Random) -> str:
@@ -54,27 +59,44 @@ def spelled(text: str) -> str:
     return " ".join(text)
 
 
-def conversation(op: str, draw: random.Random, strings) -> dict:
-    """One conversation of ``op``, its string drawn by ``strings()``."""
+def turn(op: str, draw: random.Random, strings) -> tuple[list[dict], dict]:
+    """One question of ``op`` and its answer (its string drawn by ``strings()``), and what it
+    asked: its op, string and counted letter."""
     text = strings()
-    operands = {"string": text}
+    asked = {"op": op, "string": text}
     if op == "count":
         # mostly a letter of the string, so that the answers are not mostly 0
         letter = draw.choice(text) if draw.random() < 0.75 else draw.choice(LETTERS)
         question, answer = f"Count {letter} in: {spelled(text)}", str(text.count(letter))
-        operands["letter"] = letter
+        asked["letter"] = letter
     else:
         template, compute = STRING_OPS[op]
         answer = compute(text)
         question = template.format(spelled(text))
         answer = answer if op == "length" else spelled(answer)
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    return {"messages": messages, "op": op, **operands}
+    return messages, asked
+
+
+def conversation(ops: list[str], draw: random.Random, strings, system: str | None = None) -> dict:
+    """A conversation of one turn per op in ``ops``, after ``system`` where given. The record
+    names every turn's op, string and letter (``turns``), and the last one's at its top level,
+    the question a benchmark scores."""
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    turns = []
+    for op in ops:
+        said, asked = turn(op, draw, strings)
+        messages += said
+        turns.append(asked)
+    return {"messages": messages, **turns[-1], "turns": turns}
 
 
 def split(train: int, test: int, seed: int) -> tuple[list[dict], list[dict]]:
     """``train`` and ``test`` conversations, the operations in turn (shuffled in training),
-    the held-out ones with strings that no training question has."""
+    the held-out ones with strings that no training question has. A held-out conversation is
+    one question; a training one is one to three (:data:`TURNS`), some after a system message
+    (:data:`SYSTEMS`), so that a conversation that goes on, as ``octlm chat`` keeps one, is
+    no stranger to the model."""
     for name, value in (("train", train), ("test", test)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -92,10 +114,15 @@ def split(train: int, test: int, seed: int) -> tuple[list[dict], list[dict]]:
             text = random_string(draw)
         return text
 
-    tested = [conversation(OPS[i % len(OPS)], draw, held_out_string) for i in range(test)]
+    tested = [conversation([OPS[i % len(OPS)]], draw, held_out_string) for i in range(test)]
     ops = [OPS[i % len(OPS)] for i in range(train)]
     draw.shuffle(ops)
-    trained = [conversation(op, draw, training_string) for op in ops]
+    trained = []
+    for op in ops:
+        count = draw.choices(list(TURNS), weights=list(TURNS.values()))[0]
+        earlier = [draw.choice(OPS) for _ in range(count - 1)]
+        system = draw.choice(SYSTEMS) if draw.random() < SYSTEM_SHARE else None
+        trained.append(conversation([*earlier, op], draw, training_string, system))
     return trained, tested
 
 

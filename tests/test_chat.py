@@ -362,13 +362,21 @@ def test_example_conversations_hold_out_their_strings(tmp_path):
         "count": lambda r: str(r["string"].count(r["letter"])),
     }
     for record in trained + tested:
-        question, answer = (m["content"] for m in record["messages"])
-        assert answer == answers[record["op"]](record)
-        assert question.endswith(": " + spaced(record["string"]))
-        assert 3 <= len(record["string"]) <= 8 and record["string"].islower()
-        assert record["string"].isalpha()
-
-    strings = [{r["string"] for r in part} for part in (trained, tested)]
+        messages = record["messages"]
+        system = messages[0]["role"] == "system"
+        pairs = messages[system:]
+        assert len(pairs) == 2 * len(record["turns"]) and record["turns"][-1]["op"] == record["op"]
+        for asked, question, answer in zip(record["turns"], pairs[::2], pairs[1::2], strict=True):
+            assert (question["role"], answer["role"]) == ("user", "assistant")
+            assert answer["content"] == answers[asked["op"]](asked)
+            assert question["content"].endswith(": " + spaced(asked["string"]))
+            assert 3 <= len(asked["string"]) <= 8 and asked["string"].isalpha()
+            assert asked["string"].islower()
+    assert {len(r["turns"]) for r in trained} == {1, 2, 3} and {
+        len(r["turns"]) for r in tested
+    } == {1}
+    assert any(r["messages"][0]["role"] == "system" for r in trained)
+    strings = [{t["string"] for r in part for t in r["turns"]} for part in (trained, tested)]
     assert strings[1] and not strings[0] & strings[1]
     assert examples.main([str(tmp_path / "out"), "--train", "12", "--test", "6"]) == 0
     lines = (tmp_path / "out" / "train.jsonl").read_text().splitlines()
