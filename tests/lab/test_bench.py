@@ -42,11 +42,15 @@ def tiny(*backends: str, **changes):
     return replace(TINY, backends=backends, **changes).measurements()
 
 
+# What the driver's device probe reports, made up: tests that are not about the probe take it
+# without the child process (a Python start with torch) that asks the device.
+PROBED = {"torch": "x", "device": "cpu", "threads": 1, "host_cpu": "test", "available_bytes": 2**30}
+
+
 @pytest.fixture
 def fake_probe(monkeypatch):
     """The driver's device probe without a child process."""
-    context = {"torch": "x", "device": "cpu", "threads": 1, "host_cpu": "test"}
-    monkeypatch.setattr(driver, "_probe", lambda device: {**context, "available_bytes": 2**30})
+    monkeypatch.setattr(driver, "_probe", lambda device: dict(PROBED))
 
 
 @pytest.fixture
@@ -344,7 +348,7 @@ def test_a_worker_dies_with_its_driver(stop, tmp_path):
     backends = ("tiled",) if stop == signal.SIGKILL else ("flash", "tiled")
     script = (
         "import sys; from dataclasses import replace; from octlm.lab.bench import driver; "
-        "from octlm.lab.bench.suites import Grid; "
+        f"from octlm.lab.bench.suites import Grid; driver._probe = lambda device: {PROBED!r}; "
         f"grid = Grid(backends={backends!r}, lengths=(32,), heads=2, head_sizes=(16,), "
         "repeats=1); "
         f"sys.exit(driver.run(grid.measurements(), {str(output)!r}, peak=False))"
@@ -585,7 +589,7 @@ def test_cuda_memory_and_timing_use_the_allocator_and_synchronise(monkeypatch):
     assert calls == ["sync", "step", "sync"]
 
 
-def test_extra_memory_is_the_workers_own_even_from_a_large_driver(tmp_path):
+def test_extra_memory_is_the_workers_own_even_from_a_large_driver(tmp_path, fake_probe):
     """A worker's memory baseline must not start at its driver's peak: the kernel carries
     getrusage's peak across exec, and a driver larger than the worker once made every call's
     extra memory 0."""

@@ -30,11 +30,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from octlm import load_run
+from octlm.cli import main
 from octlm.training import checkpoint, distributed, train
 from octlm.training.metrics import METRICS
 from tests.helpers import spawn
 from tests.training.test_run_folder_lock import environment, wait_for
-from tests.training_helpers import configs, losses, octlm, read_metrics, tiny_flags, write_corpus
+from tests.training_helpers import configs, losses, read_metrics, tiny_flags, write_corpus
 
 pytestmark = pytest.mark.distributed
 
@@ -48,8 +49,8 @@ def tokens(tmp_path_factory) -> Path:
     """A token folder of byte tokens, prepared once, as both nodes' ``--data``."""
     root = tmp_path_factory.mktemp("multinode")
     corpus = write_corpus(root / "corpus")
-    prepared = octlm("prepare", "--data", corpus, "--out", root / "tokens", "--tokenizer", "bytes")
-    assert prepared.returncode == 0, prepared.stderr
+    assert main(["prepare", "--data", str(corpus), "--out", str(root / "tokens"),
+                 "--tokenizer", "bytes"]) == 0  # fmt: skip
     return root / "tokens"
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from octlm import load_run
+from octlm.cli import main
 from octlm.training import checkpoint
-from tests.training_helpers import octlm, read_metrics
+from tests.training_helpers import read_metrics
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "run-d72e769"
 
@@ -29,20 +30,20 @@ def old_run(tmp_path) -> Path:
     return Path(shutil.copytree(FIXTURE, tmp_path / "run"))
 
 
-def test_it_samples_and_exports_its_last_checkpoint_saying_why(old_run, tmp_path):
-    sampled = octlm("sample", old_run, "--prompt", "def ", "--max-new-tokens", "4")
-    assert sampled.returncode == 0, sampled.stderr
-    assert "checkpoint of step 6, the last: the run records no best" in sampled.stderr
+def test_it_samples_and_exports_its_last_checkpoint_saying_why(old_run, tmp_path, capsys):
+    assert main(["sample", str(old_run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    said = capsys.readouterr().err
+    assert "checkpoint of step 6, the last: the run records no best" in said
     assert load_run(old_run).step == 6 and load_run(old_run, step=4).step == 4
     for out in ("model.gguf", "folder"):
-        exported = octlm("export", old_run, tmp_path / out)
-        assert exported.returncode == 0, exported.stderr
-        assert "checkpoint of step 6, the last: the run records no best" in exported.stdout
+        assert main(["export", str(old_run), str(tmp_path / out)]) == 0, capsys.readouterr().err
+        said = capsys.readouterr().out
+        assert "checkpoint of step 6, the last: the run records no best" in said
 
 
-def test_it_resumes_and_then_names_its_best(old_run):
-    resumed = octlm("train", "--out", old_run, "--resume", "--steps", "9")
-    assert resumed.returncode == 0, resumed.stderr
+def test_it_resumes_and_then_names_its_best(old_run, capsys):
+    resumed = main(["train", "--out", str(old_run), "--resume", "--steps", "9"])
+    assert resumed == 0, capsys.readouterr().err
     evaluations = read_metrics(old_run, "eval")
     assert [r["step"] for r in evaluations] == [3, 6, 9]
     assert "best_step" not in evaluations[1] and evaluations[2]["best_step"] == 9

@@ -22,7 +22,6 @@ from octlm.training import prepare
 from octlm.training.config import RunConfig
 from octlm.training.corpus import Corpus
 from octlm.training.tokens import TOKEN_FILES, read_summary
-from tests.training_helpers import octlm
 
 BYTES, NONE = ModelConfig(vocab_size=256), frozenset()
 RECORDS = [f"Story {i}: the fox and the hound went to the river {i} and swam." for i in range(400)]
@@ -39,38 +38,40 @@ def folder_state(folder: Path) -> dict[str, tuple[int, bytes]]:
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
 
 
-def test_prepare_once_then_up_to_date_then_again_when_the_corpus_changed(tmp_path):
+def test_prepare_once_then_up_to_date_then_again_when_the_corpus_changed(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
     write_jsonl_gz(tmp_path / "c.jsonl.gz")
-    args = ("prepare", "--data", "c.jsonl.gz", "--out", "tok", "--vocab-size", "300")
-    first = octlm(*args, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    assert "by a hash of each record's file and index" in first.stdout
+    args = ["prepare", "--data", "c.jsonl.gz", "--out", "tok", "--vocab-size", "300"]
+    assert main(args) == 0
+    assert "by a hash of each record's file and index" in capsys.readouterr().out
     summary = json.loads((tmp_path / "tok" / "data.json").read_text())
     assert summary["train_documents"] + summary["val_documents"] == len(RECORDS)
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
     before = folder_state(tmp_path / "tok")
-    again = octlm(*args, cwd=tmp_path)
-    assert again.returncode == 0 and "up to date" in again.stderr
+    assert main(args) == 0 and "up to date" in capsys.readouterr().err
     assert folder_state(tmp_path / "tok") == before
     write_jsonl_gz(tmp_path / "c.jsonl.gz", RECORDS[:300])
-    changed = octlm(*args, cwd=tmp_path)
-    assert changed.returncode == 0 and "files (c.jsonl.gz)" in changed.stderr
+    assert main(args) == 0 and "files (c.jsonl.gz)" in capsys.readouterr().err
     summary = json.loads((tmp_path / "tok" / "data.json").read_text())
     assert summary["train_documents"] + summary["val_documents"] == 300
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl.gz", "tok"]
 
 
-def test_a_bad_record_is_one_line_and_the_earlier_folder_stays(tmp_path):
+def test_a_bad_record_is_one_line_and_the_earlier_folder_stays(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     write_jsonl_gz(tmp_path / "c.jsonl.gz")
-    args = ("prepare", "--data", "c.jsonl.gz", "--out", "tok", "--tokenizer", "bytes")
-    assert octlm(*args, cwd=tmp_path).returncode == 0
+    args = ["prepare", "--data", "c.jsonl.gz", "--out", "tok", "--tokenizer", "bytes"]
+    assert main(args) == 0
     before = folder_state(tmp_path / "tok")
     lines = [json.dumps({"text": r}) for r in RECORDS] + ['{"body": "x"}']
     (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
-    bad = octlm(*args, cwd=tmp_path)
-    assert bad.returncode == 2
+    capsys.readouterr()
+    assert main(args) == 2
     assert (
-        bad.stderr.strip()
+        capsys.readouterr()
+        .err.strip()
         .splitlines()[-1]
         .startswith(
             f"octlm prepare: c.jsonl.gz: line {len(RECORDS) + 1}: no field 'text' (it has 'body')"
@@ -80,10 +81,12 @@ def test_a_bad_record_is_one_line_and_the_earlier_folder_stays(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl.gz", "tok"]
 
 
-def test_a_missing_corpus_is_named_before_any_tokenizer_is_trained(tmp_path):
-    found = octlm("prepare", "--data", "nothing", "--out", "tok", cwd=tmp_path)
-    assert found.returncode == 2 and "training a byte-level BPE" not in found.stderr
-    assert found.stderr.strip() == (
+def test_a_missing_corpus_is_named_before_any_tokenizer_is_trained(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "--data", "nothing", "--out", "tok"]) == 2
+    err = capsys.readouterr().err
+    assert "training a byte-level BPE" not in err
+    assert err.strip() == (
         "octlm prepare: --data 'nothing' does not exist: expected a corpus file or a folder of them"
     )
 

@@ -62,9 +62,11 @@ def wait_for(predicate, what: str, process: subprocess.Popen, timeout: float = 1
 
 def training_past_its_first_step(corpus: Path, folder: Path, stdout=subprocess.DEVNULL):
     """An ``octlm train`` process on ``folder`` that would run for a million steps, returned
-    once its first step is recorded."""
+    once its first step is recorded. Eager: ``--compile auto`` would compile a run that long,
+    seconds of CPU before the first step, and the tests that start it are not about compiling."""
+    flags = [*tiny_flags(corpus, folder, steps=1_000_000), "--no-compile"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "octlm", *tiny_flags(corpus, folder, steps=1_000_000)],
+        [sys.executable, "-m", "octlm", *flags],
         env=environment(), stdout=stdout, stderr=subprocess.PIPE,
     )  # fmt: skip
     wait_for(lambda: (folder / METRICS).exists(), "the run's first step", process)

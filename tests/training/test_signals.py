@@ -35,7 +35,8 @@ def test_signal_writes_a_checkpoint_and_exits_cleanly(corpus, tmp_path, capsys, 
 
     sender = threading.Thread(target=interrupt_once_training)
     sender.start()
-    status = main(tiny_flags(corpus, folder, steps=1_000_000))
+    # Eager: --compile auto would compile a run this long, which is not what is tested here.
+    status = main([*tiny_flags(corpus, folder, steps=1_000_000), "--no-compile"])
     sender.join()
     assert status == 128 + signal_number  # stopped early, as a shell reports a signal
     assert f"stopped by {signal_number.name}" in capsys.readouterr().out
